@@ -1,0 +1,61 @@
+"""The preallocated key/value cache and the one function that writes into it.
+
+`KVCache` holds, per layer, K and V arrays of shape [B, S, K, H] (batch rows, cache positions,
+kv heads, head dim). A row's position p lives at index p, so attention masks by comparing
+positions and no per-row length needs to be carried on device. Arrays are allocated once at their
+final size; jitted steps take the cache donated and return the updated one.
+
+One array per layer (rather than one stacked [L, ...] array) keeps every update an in-place
+dynamic-update-slice of that layer's buffer, with no slicing copies in the unrolled layer loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jinfer.config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+    k: tuple[jax.Array, ...]  # per layer [B, S, K, H]
+    v: tuple[jax.Array, ...]  # per layer [B, S, K, H]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
+
+
+def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, int, int, int]:
+    return (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = cache_shape(cfg, batch, max_len)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros(), v=zeros())
+
+
+def write_kv(
+    layer_kv: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Write new k, v [B, T, K, H] into one layer's cache at each row's positions [B, T].
+
+    Positions within a row are contiguous, so each row is one dynamic-update-slice starting at
+    positions[b, 0]. The caller guarantees positions[b, 0] + T <= S (XLA would otherwise clamp
+    the start and silently shift the write).
+    """
+    cache_k, cache_v = layer_kv
+    starts = positions[:, 0]
+
+    def write_row(buffer, new, start):
+        return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), (start, 0, 0))
+
+    write = jax.vmap(write_row)
+    return write(cache_k, k, starts), write(cache_v, v, starts)

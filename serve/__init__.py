@@ -1,0 +1,1 @@
+"""The HTTP front end (OpenAI-compatible Starlette app). No jax imports here."""

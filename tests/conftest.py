@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny reference models built once per session, 8 virtual CPU devices."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """family -> (directory with config.json + safetensors + tokenizer, the transformers model)."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            directory = str(tmp_path_factory.mktemp(family))
+            built[family] = (directory, tiny.build_hf_model(family, directory))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from jinfer.weights import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    import jinfer
+
+    return jinfer.LLM()
