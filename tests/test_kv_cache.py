@@ -1,0 +1,37 @@
+"""Prefill into the KV cache followed by cached decode steps equals one full forward pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import VOCAB
+
+from jinfer.kv_cache import init_cache
+from jinfer.models import llama
+from jinfer.weights import load_hf
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding", "qwen3_qknorm", "llama3_rope_tied"])
+def test_prefill_then_decode_equals_full_forward(family, tiny_model):
+    directory, _ = tiny_model(family)
+    loaded = load_hf(directory)
+    params, cfg = loaded.params, loaded.config
+    total, prompt_len, padded = 40, 11, 16
+    ids = np.random.RandomState(3).randint(0, VOCAB, (2, total)).astype(np.int32)
+
+    hidden, _ = llama.forward(params, ids, np.broadcast_to(np.arange(total), (2, total)), cfg)
+    full = np.asarray(llama.logits(params, hidden))  # [2, total, V]
+
+    # Prefill a prompt padded past its length (as buckets do), then decode one token at a time.
+    cache = init_cache(cfg, batch=2, max_len=64)
+    tokens = np.zeros((2, padded), np.int32)
+    tokens[:, :prompt_len] = ids[:, :prompt_len]
+    hidden, cache = llama.forward(params, tokens, np.broadcast_to(np.arange(padded), (2, padded)), cfg, cache)
+    step_logits = [np.asarray(llama.logits(params, hidden[:, prompt_len - 1]))]
+    decode = jax.jit(lambda p, t, pos, c: llama.forward(p, t, pos, cfg, c), donate_argnums=3)
+    for pos in range(prompt_len, total):
+        hidden, cache = decode(params, ids[:, pos : pos + 1], jnp.full((2, 1), pos, jnp.int32), cache)
+        step_logits.append(np.asarray(llama.logits(params, hidden[:, 0])))
+    cached = np.stack(step_logits, axis=1)  # logits after positions prompt_len-1 .. total-1
+    reference = full[:, prompt_len - 1 :]
+    assert np.abs(cached - reference).max() <= 1e-4 * np.ptp(reference)

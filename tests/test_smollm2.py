@@ -1,0 +1,77 @@
+"""The embedded SmolLM2-135M-Instruct GGUF against transformers loading the same file."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import jinfer
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time, there was a little"
+TEXTS = [
+    "Once upon a time, there was a little girl named Emma.",
+    "  Leading spaces,\ttabs\nand\n\nnewlines   ",
+    "Héllo wörld — ça va? Grüße, 東京, Привет 🙂🚀 <|im_start|>user\nhi<|im_end|>",
+    "def f(x):\n    return x ** 2  # comment",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = os.path.split(smollm2_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def test_greedy_continuation_matches_transformers(smollm2_llm, hf_reference):
+    tokenizer, model = hf_reference
+    ids = smollm2_llm.tokenizer.encode(PROMPT)
+    assert ids == tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids) :].tolist()
+    (out,) = smollm2_llm.generate([PROMPT], jinfer.SamplingParams(max_tokens=40, temperature=0))
+    assert out.token_ids == ref[: len(out.token_ids)]
+    assert len(out.token_ids) >= 32
+    assert out.text.startswith(" girl named Emma")
+
+
+def test_score_matches_transformers(smollm2_llm, hf_reference):
+    _, model = hf_reference
+    ids = smollm2_llm.tokenizer.encode(TEXTS[0] + " She loved to play in the sun.")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits.float(), dim=-1)[0].numpy()
+    ref = np.take_along_axis(logp[:-1], np.array(ids[1:])[:, None], axis=-1)[:, 0]
+    (ours,) = smollm2_llm.score([ids])
+    assert np.abs(ours - ref).max() <= 1e-4 * np.ptp(logp)
+
+
+def test_chat_answers_paris(smollm2_llm):
+    (out,) = smollm2_llm.chat(
+        [[{"role": "user", "content": "What is the capital of France?"}]],
+        jinfer.SamplingParams(max_tokens=40, temperature=0),
+    )
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ended on <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in out.text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_matches_transformers(smollm2_llm, hf_reference, text):
+    tokenizer, _ = hf_reference
+    ids = smollm2_llm.tokenizer.encode(text)
+    assert ids == tokenizer(text).input_ids
+    assert smollm2_llm.tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_gguf_tokenizer_splits_digits_like_llama_cpp(smollm2_llm):
+    # tokenizer.ggml.pre = "smollm": llama.cpp isolates every digit (transformers' GGUF import does not).
+    tok = smollm2_llm.tokenizer
+    ids = tok.encode("in 2024 we had 31337 users")
+    digit_pieces = [tok.decode([i]) for i in ids if tok.decode([i]).strip().isdigit()]
+    assert digit_pieces == list("2024") + list("31337")
