@@ -160,7 +160,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         )
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
-    original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 0)
+    original = 0  # only the llama3 and yarn rules use the pre-extension context length
+    if kind in ("llama3", "yarn"):
+        original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 0)
     factor = params.get("factor")
     if kind == "yarn" and factor is None:
         factor = hf["max_position_embeddings"] / original
@@ -202,7 +204,9 @@ def _config_from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported")
     if model_type in ("llama", "mistral") and hf.get("attention_bias"):
-        raise UnsupportedModelError("attention_bias=true on llama/mistral (output-projection bias) is not supported")
+        raise UnsupportedModelError(
+            "attention_bias=true on llama/mistral (output-projection bias) is not supported"
+        )
     if model_type == "qwen3" and hf.get("attention_bias"):
         raise UnsupportedModelError("attention_bias=true on qwen3 is not supported")
 

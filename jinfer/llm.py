@@ -57,7 +57,13 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 class LLM:
     """Load a model and run offline generation, chat and scoring on it."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32", max_seq_len: int | None = None):
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "float32",
+        max_seq_len: int | None = None,
+    ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         loaded = load_model(model if model is not None else default_model_path(), _DTYPES[dtype])
@@ -68,7 +74,11 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.generation_defaults = loaded.generation_defaults
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position_embeddings)
-        eos = [*self.config.eos_token_ids, *self.tokenizer.eos_token_ids, *loaded.generation_defaults.get("eos_token_ids", [])]
+        eos = [
+            *self.config.eos_token_ids,
+            *self.tokenizer.eos_token_ids,
+            *loaded.generation_defaults.get("eos_token_ids", []),
+        ]
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         cfg = self.config
         self._prefill = jax.jit(partial(_prefill, cfg=cfg), donate_argnames="cache")
@@ -95,7 +105,10 @@ class LLM:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Answer each conversation (a list of {"role", "content"} messages) via the chat template."""
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True) for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling)
 
     def score(self, sequences: Sequence[str] | Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -171,7 +184,9 @@ class LLM:
         for i in range(max_tokens):
             position = n_prompt + i
             ban = banned_early if i < sp.min_tokens else nothing_banned
-            token, counts, bad = self._choose(logits, arrays, prompt_mask, counts, bias, ban, jnp.int32(position))
+            token, counts, bad = self._choose(
+                logits, arrays, prompt_mask, counts, bias, ban, jnp.int32(position)
+            )
             if bool(bad):
                 raise FloatingPointError("the model produced NaN/inf logits")
             token_id = int(token[0])
@@ -196,7 +211,9 @@ class LLM:
         metrics = {
             "ttft_s": (first_token_time or end) - start,
             "total_s": end - start,
-            "decode_tokens_per_s": (n_out - 1) / (end - first_token_time) if n_out > 1 and first_token_time else 0.0,
+            "decode_tokens_per_s": (n_out - 1) / (end - first_token_time)
+            if n_out > 1 and first_token_time
+            else 0.0,
         }
         return Completion(text, out_ids, list(prompt_ids), finish, logprobs, metrics)
 

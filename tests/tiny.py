@@ -23,7 +23,9 @@ CORPUS = [
     "What is the capital of France? The capital of France is Paris.",
 ]
 CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -45,7 +47,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             },
         },
     ),
-    "llama_linear_rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    "llama_linear_rope": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+    ),
     "llama_yarn_rope": (
         "llama",
         {

