@@ -72,13 +72,12 @@ class LLM:
         self.config = loaded.config
         self.params = loaded.params
         self.tokenizer = loaded.tokenizer
-        self.generation_defaults = loaded.generation_defaults
+        # The model's generation_config.json decides what `sampling=None` means.
+        defaults = loaded.generation_defaults
+        knobs = ("temperature", "top_p", "top_k", "repetition_penalty")
+        self.default_sampling = SamplingParams(**{k: defaults[k] for k in knobs if k in defaults})
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position_embeddings)
-        eos = [
-            *self.config.eos_token_ids,
-            *self.tokenizer.eos_token_ids,
-            *loaded.generation_defaults.get("eos_token_ids", []),
-        ]
+        eos = [*self.config.eos_token_ids, *self.tokenizer.eos_token_ids, *defaults.get("eos_token_ids", [])]
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         cfg = self.config
         self._prefill = jax.jit(partial(_prefill, cfg=cfg), donate_argnames="cache")
@@ -128,7 +127,7 @@ class LLM:
     # ----------------------------------------------------------------------------- internal
     def _per_prompt_sampling(self, sampling, n: int) -> list[SamplingParams]:
         if sampling is None:
-            return [SamplingParams()] * n
+            return [self.default_sampling] * n
         if isinstance(sampling, SamplingParams):
             return [sampling] * n
         if len(sampling) != n:
