@@ -18,7 +18,8 @@ def _generate(args) -> int:
     import jinfer
 
     t0 = time.perf_counter()
-    llm = jinfer.LLM(args.model, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    options = {"dtype": args.dtype, "max_seq_len": args.max_seq_len}
+    llm = jinfer.LLM(args.model, **{k: v for k, v in options.items() if v is not None})
     print(
         f"loaded {args.model or 'the embedded SmolLM2-135M-Instruct'} in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,

@@ -305,3 +305,50 @@ def _config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs) 
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(eos),
     )
+
+
+CONTEXT_POLICIES = ("error", "truncate", "drop_oldest")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine lays out the device: slots, cache length, buckets, steps per dispatch, mesh."""
+
+    max_slots: int = 8
+    max_seq_len: int = 2048  # per slot: prompt + generated tokens
+    max_queue: int = 256  # waiting requests; submit beyond it is rejected
+    prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)
+    prefill_token_budget: int = 512  # prompt tokens prefilled per engine iteration (at least one chunk)
+    decode_steps: int = 4  # decode steps per dispatch (lax.scan)
+    dtype: str = "float32"
+    mesh_data: int = 1  # devices along the data axis (slots are split over it)
+    mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)
+    context_policy: str = "error"  # default for requests that do not choose one
+    memory_fraction: float = 0.9  # refuse a layout whose params + KV cache exceed this share of memory
+
+    def __post_init__(self):
+        positive = ("max_slots", "max_seq_len", "max_queue", "prefill_token_budget", "decode_steps")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        # No bucket longer than a slot: a short window gets a cache of exactly its length.
+        buckets = tuple(sorted({min(b, self.max_seq_len) for b in self.prefill_buckets}))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"prefill_buckets must be positive lengths, got {self.prefill_buckets!r}")
+        object.__setattr__(self, "prefill_buckets", buckets)
+        if self.context_policy not in CONTEXT_POLICIES:
+            raise ValueError(f"context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_slots % self.mesh_data:
+            raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")
+
+    @property
+    def chunk_len(self) -> int:
+        """Prompts longer than the largest bucket are prefilled in chunks of this many tokens."""
+        return self.prefill_buckets[-1]
+
+    @property
+    def cache_len(self) -> int:
+        """Cache positions per slot: max_seq_len rounded up so a padded last chunk always fits."""
+        return -(-self.max_seq_len // self.chunk_len) * self.chunk_len

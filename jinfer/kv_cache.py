@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jinfer.config import ModelConfig
@@ -36,26 +37,44 @@ def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, int, i
     return (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> int:
+    per_layer = int(np.prod(cache_shape(cfg, batch, max_len))) * jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * per_layer
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, sharding=None) -> KVCache:
+    """Zeros of the final size, created directly with `sharding` (no host copy, no resharding)."""
     shape = cache_shape(cfg, batch, max_len)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    zeros = lambda: tuple(make() for _ in range(cfg.num_layers))
     return KVCache(k=zeros(), v=zeros())
 
 
 def write_kv(
-    layer_kv: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array
+    layer_kv: tuple[jax.Array, jax.Array],
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write new k, v [B, T, K, H] into one layer's cache at each row's positions [B, T].
+    """Write new k, v [B, T, K, H] into one layer's cache at positions [B, T].
 
-    Positions within a row are contiguous, so each row is one dynamic-update-slice starting at
-    positions[b, 0]. The caller guarantees positions[b, 0] + T <= S (XLA would otherwise clamp
-    the start and silently shift the write).
+    With `rows=None` the batch is the whole cache (decode: row b is cache row b). Otherwise rows [B]
+    names the cache row of each batch entry (prefill into slots). Positions within a row are
+    contiguous, so each row is one in-place dynamic-update-slice starting at positions[b, 0]. The
+    caller guarantees positions[b, 0] + T <= S: XLA would otherwise clamp the start and shift the write.
     """
     cache_k, cache_v = layer_kv
     starts = positions[:, 0]
+    if rows is None:
 
-    def write_row(buffer, new, start):
-        return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), (start, 0, 0))
+        def write_row(buffer, new, start):
+            return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), (start, 0, 0))
 
-    write = jax.vmap(write_row)
-    return write(cache_k, k, starts), write(cache_v, v, starts)
+        write = jax.vmap(write_row)
+        return write(cache_k, k, starts), write(cache_v, v, starts)
+    for b in range(k.shape[0]):  # a handful of prompts at most: unrolled
+        index = (rows[b], starts[b], 0, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[b : b + 1].astype(cache_k.dtype), index)
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[b : b + 1].astype(cache_v.dtype), index)
+    return cache_k, cache_v

@@ -105,7 +105,7 @@ class SamplingArrays:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> SamplingArrays:
-        col = lambda name, dtype: jnp.asarray(np.array([getattr(p, name) for p in params], dtype=dtype))
+        col = lambda name, dtype: np.array([getattr(p, name) for p in params], dtype=dtype)
         return cls(
             temperature=col("temperature", np.float32),
             top_k=col("top_k", np.int32),
@@ -114,7 +114,7 @@ class SamplingArrays:
             repetition_penalty=col("repetition_penalty", np.float32),
             presence_penalty=col("presence_penalty", np.float32),
             frequency_penalty=col("frequency_penalty", np.float32),
-            seed=jnp.asarray(np.array(seeds, dtype=np.uint32)),
+            seed=np.array([seed % 2**32 for seed in seeds], dtype=np.uint32),
         )
 
 
@@ -135,11 +135,28 @@ def apply_penalties(
 
 
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
-    """Pick one token per row from processed logits [B, V]; positions [B] index the randomness."""
+    """Pick one token per row from processed logits [B, V]; positions [B] index the randomness.
+
+    Greedy rows take the argmax. Sampled rows draw from softmax(logits / temperature) restricted by
+    top-k, top-p and min-p. The full-vocabulary sort that truncation needs, and the draw itself,
+    run only when some row asks for them (`lax.cond`), so an all-greedy batch pays for neither.
+    """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    vocab = logits.shape[-1]
-    temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-    scaled = logits / temperature
+
+    def draw():
+        scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+        truncating = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)
+        candidates = jax.lax.cond(jnp.any(truncating), _truncate, lambda x, _: x, scaled, s)
+        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, positions)
+        sampled = jax.vmap(jax.random.categorical)(keys, candidates).astype(jnp.int32)
+        return jnp.where(s.temperature > 0, sampled, greedy)
+
+    return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda: greedy)
+
+
+def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Set logits outside each row's top-k / top-p / min-p set to -inf (the best token always stays)."""
+    vocab = scaled.shape[-1]
     order = jnp.argsort(-scaled, axis=-1)  # [B, V] best first
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(vocab)[None, :]
@@ -148,12 +165,10 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
     keep &= before < s.top_p[:, None]
     keep &= probs >= s.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)  # the best token always survives
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, positions)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(s.temperature > 0, sampled, greedy)
+    keep = keep.at[:, 0].set(True)
+    kept_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
+    # Scatter back to vocabulary order.
+    return jnp.zeros_like(scaled).at[jnp.arange(scaled.shape[0])[:, None], order].set(kept_sorted)
 
 
 def token_logprobs(

@@ -8,7 +8,10 @@ and for restoring checkpoints straight into place.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -55,3 +58,36 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: dict[str, str | None] =
         return NamedSharding(mesh, pspec)
 
     return jax.tree.map(sharding, param_specs(cfg), is_leaf=is_spec)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_for_mesh(cfg: ModelConfig, params: Params, model_axis: int) -> tuple[ModelConfig, Params]:
+    """Zero-pad kv heads (and their query groups), MLP width and vocabulary to divide `model_axis`.
+
+    Padded heads have zero projections, so they attend uniformly to zero values and add nothing
+    through their zero output rows; padded MLP units output silu(0) * 0 = 0; padded vocabulary
+    entries are sliced off the logits by the steps. The padded model computes the same function.
+    """
+    kv = _round_up(cfg.num_kv_heads, model_axis)
+    heads = kv * cfg.num_groups  # query head n belongs to kv head n // groups: pad whole groups
+    mlp = _round_up(cfg.intermediate_size, model_axis)
+    vocab = _round_up(cfg.vocab_size, model_axis)
+    if (kv, mlp, vocab) == (cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size):
+        return cfg, params
+    padded = dataclasses.replace(
+        cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=mlp, vocab_size=vocab
+    )
+    targets = {"heads": heads, "kv_heads": kv, "mlp": mlp, "vocab": vocab}
+
+    def pad(spec, array):
+        if array is None:
+            return None
+        widths = [
+            (0, targets.get(axis, size) - size) for axis, size in zip(spec.axes, array.shape, strict=True)
+        ]
+        return jnp.pad(array, widths) if any(w for _, w in widths) else array
+
+    return padded, jax.tree.map(pad, param_specs(cfg), params, is_leaf=is_spec)

@@ -235,6 +235,7 @@ def _attention_block(
     sin: jax.Array,
     positions: jax.Array,
     cache_kv: tuple[jax.Array, jax.Array] | None,
+    rows: jax.Array | None,
     window: int,
     cfg: ModelConfig,
 ):
@@ -251,10 +252,11 @@ def _attention_block(
         out = attention(q, k, v, positions, positions, window)
         new_kv = None
     else:
-        cache_k, cache_v = write_kv(cache_kv, k, v, positions)
-        slots = jnp.arange(cache_k.shape[1], dtype=positions.dtype)
-        k_pos = jnp.broadcast_to(slots, (x.shape[0], slots.shape[0]))
-        out = attention(q, cache_k, cache_v, positions, k_pos, window)
+        cache_k, cache_v = write_kv(cache_kv, k, v, positions, rows)
+        keys, values = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
+        cache_positions = jnp.arange(cache_k.shape[1], dtype=positions.dtype)
+        k_pos = jnp.broadcast_to(cache_positions, (x.shape[0], cache_positions.shape[0]))
+        out = attention(q, keys, values, positions, k_pos, window)
         new_kv = (cache_k, cache_v)
     return jnp.einsum("btnh,nhd->btd", out, p.wo), new_kv
 
@@ -271,12 +273,14 @@ def forward(
     positions: jax.Array,
     cfg: ModelConfig,
     cache: KVCache | None = None,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder over tokens [B, T] at positions [B, T].
 
     Without a cache the tokens attend to each other causally (full-sequence scoring). With a cache,
     their K/V are written at `positions` (contiguous per row) and they attend to everything cached
-    at positions <= their own. Returns the final-normed hidden states [B, T, D] and the new cache.
+    at positions <= their own. Batch entry b uses cache row b, or cache row rows[b] when `rows` [B]
+    is given (prefill into chosen slots). Returns final-normed hidden states [B, T, D] and the cache.
     """
     positions = jnp.asarray(positions, jnp.int32)
     x = params.embed[tokens]  # [B, T, D]
@@ -285,7 +289,8 @@ def forward(
     for i, layer in enumerate(params.layers):
         layer_cache = None if cache is None else (cache.k[i], cache.v[i])
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        attn, kv = _attention_block(layer, h, cos, sin, positions, layer_cache, cfg.sliding_windows[i], cfg)
+        window = cfg.sliding_windows[i]
+        attn, kv = _attention_block(layer, h, cos, sin, positions, layer_cache, rows, window, cfg)
         x = x + attn
         x = x + _mlp_block(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
         new_layers.append(kv)

@@ -1,0 +1,309 @@
+"""The engine: one loop that ties the host scheduler to the jitted device steps.
+
+    submit / cancel (any thread) --inbox, under a lock--> Scheduler
+    loop thread:  plan -> dispatch prefill chunks + one multi-step decode (async, cache donated)
+                  -> read the previous iteration's tokens (one iteration late) -> scheduler.commit
+                  -> sinks receive RequestOutput events
+
+The loop sleeps on a condition variable when there is nothing to do (no polling). Tokens of the
+iteration just dispatched are read only after the next one is queued, so the host's detokenizing
+and bookkeeping overlap the device's work. A failing device call fails only the requests it
+touched (all running ones, for decode) with a clear error; the cache is rebuilt and the engine
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinfer.config import EngineConfig
+from jinfer.context import fit_prompt
+from jinfer.kv_cache import cache_bytes
+from jinfer.sampling import SamplingArrays, SamplingParams
+from jinfer.scheduler import Plan, QueueFullError, Request, RequestOutput, Scheduler, TextStream
+from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
+from jinfer.steps import MAX_LOGIT_BIAS, MAX_STOP_IDS, build_steps, prefill_chunk_arrays
+from jinfer.weights import LoadedModel
+
+log = logging.getLogger("jinfer.engine")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+__all__ = ["Engine", "QueueFullError", "RequestOutput"]
+
+
+def available_memory_bytes(device) -> int:
+    """Free memory of an accelerator, or MemAvailable of the host for CPU devices."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot tell how much memory is available")
+
+
+class Engine:
+    """Continuous batching over `max_slots` fixed slots of one preallocated KV cache."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, eos_token_ids=()):
+        config = config or EngineConfig()
+        if config.max_seq_len > loaded.config.max_position_embeddings:
+            config = dataclasses.replace(config, max_seq_len=loaded.config.max_position_embeddings)
+        self.config = config
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.dtype = _DTYPES[config.dtype]
+        self.mesh = make_mesh(config.mesh_data, config.mesh_model)
+        padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
+        shardings = param_shardings(padded_cfg, self.mesh)
+        self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
+        self.cache_bytes = cache_bytes(padded_cfg, config.max_slots, config.cache_len, self.dtype)
+        self._check_memory()
+        self.steps = build_steps(padded_cfg, config, self.mesh, shardings, loaded.config.vocab_size)
+        self.cache = self.steps.new_cache(self.dtype)
+        self.state = self.steps.new_state()
+        self.scheduler = Scheduler(
+            self.tokenizer, config.max_slots, config.max_queue, config.chunk_len, config.prefill_token_budget
+        )
+        self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        log.info(
+            "engine: %d slots x %d positions, KV cache %.1f MiB (%s), mesh data=%d model=%d",
+            config.max_slots,
+            config.cache_len,
+            self.cache_bytes / 2**20,
+            config.dtype,
+            config.mesh_data,
+            config.mesh_model,
+        )
+
+    # ------------------------------------------------------------------------------ setup
+    def _check_memory(self) -> None:
+        cfg = self.config
+        available = available_memory_bytes(self.mesh.devices.flat[0]) * cfg.mesh_data * cfg.mesh_model
+        allowed = cfg.memory_fraction * available
+        if self.cache_bytes <= allowed:
+            return
+        per_slot = self.cache_bytes / cfg.max_slots
+        fit_slots = int(allowed // per_slot)
+        fit_len = int(allowed // (self.cache_bytes / cfg.cache_len))
+        raise ValueError(
+            f"the KV cache for max_slots={cfg.max_slots} x max_seq_len={cfg.max_seq_len} needs "
+            f"{self.cache_bytes / 2**30:.2f} GiB but only {allowed / 2**30:.2f} GiB is available "
+            f"({cfg.memory_fraction:.0%} of free memory); max_slots={fit_slots} or "
+            f"max_seq_len={fit_len} would fit"
+        )
+
+    def warmup(self) -> float:
+        """Compile every prefill bucket and both decode variants; return the seconds it took."""
+        start = time.perf_counter()
+        vocab = self.steps.vocab_size
+        greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
+        for with_logprobs in (False, True):
+            for size in self.config.prefill_buckets:
+                chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab)
+                self.cache, self.state, out = self.steps.prefill[with_logprobs](
+                    self.params, self.cache, self.state, chunk
+                )
+            active = np.zeros(self.config.max_slots, bool)
+            self.cache, self.state, out = self.steps.decode[with_logprobs](
+                self.params, self.cache, self.state, active
+            )
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    def compile_count(self) -> int:
+        return self.steps.compile_count()
+
+    # ----------------------------------------------------------------------------- inbox
+    def make_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        sink: Callable[[RequestOutput], None],
+        *,
+        request_id: str | None = None,
+        context_policy: str | None = None,
+    ) -> Request:
+        """Validate a request and fit it to the context window (ValueError with a clear message)."""
+        vocab = self.model_config.vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt is empty (it encodes to no tokens)")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if sampling.logit_bias and len(sampling.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        named = (*(sampling.logit_bias or {}), *(sampling.stop_token_ids or ()))
+        if any(t >= vocab for t in named):
+            raise ValueError(
+                f"logit_bias / stop_token_ids name token ids outside the vocabulary [0, {vocab})"
+            )
+        eos = () if sampling.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(sampling.stop_token_ids or ()) | frozenset(eos)
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}")
+        policy = context_policy or self.config.context_policy
+        ids, max_tokens, dropped = fit_prompt(
+            list(prompt_ids), sampling.max_tokens, self.config.max_seq_len, policy
+        )
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_ids=ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            seed=sampling.seed if sampling.seed is not None else secrets.randbits(32),
+            sink=sink,
+            stream=TextStream(self.tokenizer, ids, tuple(sampling.stop or ())),
+            dropped_prompt_tokens=dropped,
+        )
+
+    def enqueue(self, request: Request, block: bool = False) -> None:
+        """Hand a request to the scheduler; QueueFullError when the queue is full (unless block)."""
+        with self._lock:
+            while block and not self.scheduler.queue_has_room and not self._stopping:
+                self._lock.wait()
+            self.scheduler.submit(request)
+            self._lock.notify_all()
+
+    def submit(
+        self, prompt_ids, sampling, sink, *, request_id=None, context_policy=None, block=False
+    ) -> Request:
+        """make_request + enqueue."""
+        request = self.make_request(
+            prompt_ids, sampling, sink, request_id=request_id, context_policy=context_policy
+        )
+        self.enqueue(request, block)
+        return request
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            found = self.scheduler.cancel(request_id)
+            self._lock.notify_all()
+        return found
+
+    # ------------------------------------------------------------------------------ loop
+    def start(self) -> None:
+        """Run the loop in a background thread (for servers; offline callers may call `step`)."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="jinfer-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.scheduler.has_work and not self._pending:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def step(self) -> None:
+        """One iteration: plan, dispatch, then commit what the previous iteration produced."""
+        with self._lock:
+            plan = self.scheduler.plan()
+            self._lock.notify_all()  # the queue may have room now
+        dispatched = self._dispatch(plan)
+        previous, self._pending = self._pending, dispatched
+        for owners, out in previous:
+            self._commit(owners, out)
+
+    def run_until_idle(self) -> None:
+        while True:
+            with self._lock:
+                idle = not self.scheduler.has_work and not self._pending
+            if idle:
+                return
+            self.step()
+
+    def _dispatch(self, plan: Plan) -> list:
+        dispatched = []
+        vocab = self.steps.vocab_size
+        for work in plan.prefills:
+            request = work.request
+            size = next(b for b in self.config.prefill_buckets if b >= len(work.tokens))
+            tokens = np.zeros(size, np.int32)
+            tokens[: len(work.tokens)] = work.tokens
+            sp = request.sampling
+            chunk = prefill_chunk_arrays(
+                tokens,
+                work.slot,
+                work.start,
+                len(work.tokens),
+                sp.min_tokens,
+                sp.logit_bias or {},
+                sorted(request.stop_ids),
+                SamplingArrays.from_params([sp], [request.seed]),
+                vocab,
+            )
+            try:
+                self.cache, self.state, out = self.steps.prefill[sp.logprobs is not None](
+                    self.params, self.cache, self.state, chunk
+                )
+            except Exception as e:  # a device failure must not kill the engine
+                self._recover([request], e)
+                continue
+            if work.last:
+                dispatched.append(([request], out))
+        if plan.decodes:
+            active = np.array([r is not None for r in plan.decode_owners])
+            with_logprobs = any(r is not None and r.sampling.logprobs is not None for r in plan.decode_owners)
+            try:
+                self.cache, self.state, out = self.steps.decode[with_logprobs](
+                    self.params, self.cache, self.state, active
+                )
+            except Exception as e:
+                self._recover([r for r in plan.decode_owners if r is not None], e)
+            else:
+                dispatched.append((plan.decode_owners, out))
+        return dispatched
+
+    def _commit(self, owners: list[Request | None], out) -> None:
+        try:
+            host = jax.device_get(out)
+        except Exception as e:  # an asynchronous device failure surfaces here
+            self._recover([r for r in owners if r is not None], e)
+            return
+        logprobs = None
+        if host.logprobs is not None:
+            logprobs = {"logprobs": host.logprobs, "top_ids": host.top_ids, "top_logprobs": host.top_logprobs}
+        with self._lock:
+            self.scheduler.commit(owners, np.asarray(host.tokens), np.asarray(host.bad), logprobs)
+            self._lock.notify_all()
+
+    def _recover(self, touched: list[Request], error: Exception) -> None:
+        """Fail the touched requests; rebuild the cache if the failed call consumed it."""
+        log.exception("device step failed: %s", error)
+        message = f"engine error: {type(error).__name__}: {error}"
+        with self._lock:
+            if any(a.is_deleted() for a in (*self.cache.k, *self.cache.v)) or self.state.tokens.is_deleted():
+                touched = touched + self.scheduler.active_requests()  # their cache rows are gone
+                self.cache = self.steps.new_cache(self.dtype)
+                self.state = self.steps.new_state()
+            self.scheduler.fail(touched, message)
+            self._lock.notify_all()

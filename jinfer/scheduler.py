@@ -1,0 +1,294 @@
+"""Host-side scheduling: the waiting queue, slots, admission, stop conditions, cancellation.
+
+Plain Python, never a jax array. The engine asks for a `Plan` each iteration (which prompt chunks
+to prefill into which slots, and which request owns each slot for the decode dispatch), runs it
+on the device, and later hands the device's tokens back to `commit`, the one place that decides
+a request is finished. Finishing frees the slot; the next plan may give it to a waiting request.
+
+    submit -> waiting (bounded) -> plan: slot reserved, prompt prefilled chunk by chunk
+           -> running: tokens committed one by one -> stop / length / abort / error -> slot freed
+
+Each request reports to its `sink` (a callable) with `RequestOutput` events carrying text deltas.
+Text is produced by an incremental detokenizer; text that could be the start of a stop string is
+held back until it is known not to be one, and a matched stop string is never returned.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jinfer.sampling import SamplingParams
+from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the request was not accepted."""
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One event for a request's sink: new text and tokens, and the outcome once finished."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+class TextStream:
+    """Token ids in, safe text deltas out: UTF-8-whole, stop strings matched across tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stops = stops
+        self.pending = ""  # decoded but not yet emitted (might begin a stop string)
+        self.stopped = False  # a stop string matched: nothing after it is ever emitted
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was matched)."""
+        self.pending += self.detok.add([token_id])
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text once generation ends (nothing, after a stop string)."""
+        if self.stopped:
+            return ""
+        self.pending += self.detok.flush()
+        return self._release(final=True)[0]
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            text, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            return text, True
+        hold = 0 if final else self._stop_prefix_len()
+        cut = len(self.pending) - hold
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # resolved: never past the context window
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
+    seed: int
+    sink: Callable[[RequestOutput], None]
+    stream: TextStream
+    dropped_prompt_tokens: int = 0
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens already in the cache
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    cancelled: bool = False
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        """In a slot with its whole prompt prefilled: decoded by every decode dispatch."""
+        return self.slot is not None and self.prefilled == len(self.prompt_ids) and not self.finished
+
+    def metrics(self, now: float) -> dict[str, Any]:
+        first = self.token_times[0] if self.token_times else None
+        n = len(self.output_ids)
+        decode_time = (self.token_times[-1] - first) if n > 1 else 0.0
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": n,
+            "dropped_prompt_tokens": self.dropped_prompt_tokens,
+            "queue_s": (self.admitted_at or now) - self.submitted_at,
+            "ttft_s": (first - self.submitted_at) if first is not None else None,
+            "inter_token_s": list(np.diff(self.token_times)) if n > 1 else [],
+            "total_s": now - self.submitted_at,
+            "decode_tokens_per_s": (n - 1) / decode_time if decode_time > 0 else None,
+        }
+
+
+@dataclasses.dataclass
+class PrefillWork:
+    request: Request
+    slot: int
+    start: int  # position of the chunk's first token
+    tokens: list[int]  # the chunk (unpadded)
+    last: bool  # the final chunk: its sampled token is the request's first output token
+
+
+@dataclasses.dataclass
+class Plan:
+    prefills: list[PrefillWork]
+    decode_owners: list[Request | None]  # per slot; None = inactive this dispatch
+
+    @property
+    def decodes(self) -> bool:
+        return any(r is not None for r in self.decode_owners)
+
+
+class Scheduler:
+    def __init__(
+        self, tokenizer: Tokenizer, max_slots: int, max_queue: int, chunk_len: int, token_budget: int
+    ):
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self.chunk_len = chunk_len
+        self.token_budget = token_budget
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slots: list[Request | None] = [None] * max_slots
+        self.by_id: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------------ inbox side
+    def submit(self, request: Request) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); try again later")
+        if request.request_id in self.by_id:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.waiting.append(request)
+        self.by_id[request.request_id] = request
+
+    def cancel(self, request_id: str) -> bool:
+        """Mark a request cancelled; the next plan ends it and frees its slot. False if unknown."""
+        request = self.by_id.get(request_id)
+        if request is None or request.finished:
+            return False
+        request.cancelled = True
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    @property
+    def queue_has_room(self) -> bool:
+        return len(self.waiting) < self.max_queue
+
+    # ----------------------------------------------------------------------- engine side
+    def plan(self) -> Plan:
+        """Apply cancellations, continue and admit prefills within the token budget, list decoders."""
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            self._finish(request, "abort")
+        for request in self.slots:
+            if request is not None and request.cancelled and not request.finished:
+                self._finish(request, "abort")
+
+        prefills: list[PrefillWork] = []
+        budget = self.token_budget
+        # Requests part-way through a long prompt go first, then new admissions.
+        for request in self.slots:
+            if request is not None and request.prefilled < len(request.prompt_ids) and budget > 0:
+                budget -= self._schedule_chunk(request, prefills)
+        while self.waiting and budget > 0 and None in self.slots:
+            request = self.waiting.popleft()
+            slot = self.slots.index(None)
+            self.slots[slot], request.slot = request, slot
+            request.admitted_at = time.perf_counter()
+            budget -= self._schedule_chunk(request, prefills)
+        owners = [r if r is not None and r.running else None for r in self.slots]
+        return Plan(prefills, owners)
+
+    def _schedule_chunk(self, request: Request, prefills: list[PrefillWork]) -> int:
+        start = request.prefilled
+        chunk = request.prompt_ids[start : start + self.chunk_len]
+        request.prefilled += len(chunk)
+        last = request.prefilled == len(request.prompt_ids)
+        prefills.append(PrefillWork(request, request.slot, start, chunk, last))
+        return len(chunk)
+
+    def commit(
+        self,
+        owners: list[Request | None],
+        tokens: np.ndarray,
+        bad: np.ndarray,
+        logprobs: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        """Take device results: tokens and bad are [steps, rows]; rows[i] belongs to owners[i].
+
+        Results for a request that finished meanwhile (the device ran ahead) are ignored.
+        """
+        now = time.perf_counter()
+        for row, request in enumerate(owners):
+            if request is None:
+                continue
+            for step in range(tokens.shape[0]):
+                if request.finished:
+                    break
+                entry = None
+                if logprobs is not None and request.sampling.logprobs is not None:
+                    entry = _logprob_entry(
+                        logprobs, step, row, int(tokens[step, row]), request.sampling.logprobs
+                    )
+                self._accept(request, int(tokens[step, row]), bool(bad[step, row]), entry, now)
+
+    def fail(self, requests: list[Request], message: str) -> None:
+        for request in requests:
+            if not request.finished:
+                self._finish(request, "error", error=message)
+
+    def active_requests(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    # ----------------------------------------------------------------------------- internal
+    def _accept(self, request: Request, token: int, bad: bool, logprob: dict | None, now: float) -> None:
+        if bad:
+            self._finish(request, "error", error="the model produced NaN or infinite logits for this request")
+            return
+        if token in request.stop_ids and len(request.output_ids) >= request.sampling.min_tokens:
+            self._finish(request, "stop")
+            return
+        request.output_ids.append(token)
+        request.token_times.append(now)
+        text, stopped = request.stream.add(token)
+        event = RequestOutput(request.request_id, text, [token], [logprob] if logprob is not None else None)
+        if stopped:
+            self._finish(request, "stop", event)
+        elif len(request.output_ids) >= request.max_tokens:
+            self._finish(request, "length", event)
+        else:
+            request.sink(event)
+
+    def _finish(
+        self, request: Request, reason: str, event: RequestOutput | None = None, error: str | None = None
+    ) -> None:
+        event = event or RequestOutput(request.request_id)
+        if reason != "error":
+            event.text += request.stream.finish()
+        request.finished = True
+        event.finished, event.finish_reason, event.error = True, reason, error
+        event.metrics = request.metrics(time.perf_counter())
+        if request.slot is not None and self.slots[request.slot] is request:
+            self.slots[request.slot] = None
+        self.by_id.pop(request.request_id, None)
+        request.sink(event)
+
+
+def _logprob_entry(logprobs: dict[str, np.ndarray], step: int, row: int, token: int, top_n: int) -> dict:
+    ids = logprobs["top_ids"][step, row, :top_n]
+    values = logprobs["top_logprobs"][step, row, :top_n]
+    return {
+        "token_id": token,
+        "logprob": float(logprobs["logprobs"][step, row]),
+        "top": {int(i): float(v) for i, v in zip(ids, values, strict=True)},
+    }

@@ -1,0 +1,309 @@
+"""The jitted device steps, built once per (model config, engine config, mesh).
+
+Two verbs touch the preallocated cache, both with the cache and slot state donated:
+
+  prefill(params, cache, state, chunk) -> cache, state, out
+      One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
+      slot's rows of the shared cache, at positions start.. (so a long prompt is just several
+      chunks, each attending to the ones before it). The last real position's logits give the
+      request's first token, sampled on device; the slot's state row is (re)initialised from the
+      request (sampling knobs, logit bias, stop ids, prompt-token mask for penalties).
+  decode(params, cache, state, active) -> cache, state, out
+      `steps` decode steps for all slots at once (`lax.scan`): each step feeds every slot's last
+      token, samples the next one per slot and keeps it on device for the following step.
+      Inactive slots compute too (shapes are fixed) but do not advance.
+
+Fusing "insert" into prefill (writing K/V directly into the slot rows instead of returning them
+for a separate copy) saves a full copy of the prompt's K/V per request and makes chunked prefill
+the same code path as a short prompt.
+
+Only int32 tokens, per-slot flags and (when asked) log-probs leave the device; the engine reads
+them one iteration late so the host overlaps the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jinfer.config import EngineConfig, ModelConfig
+from jinfer.kv_cache import KVCache, init_cache
+from jinfer.models import llama
+from jinfer.sampling import SamplingArrays, apply_penalties, sample
+from jinfer.sharding import DATA, MODEL
+
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+MAX_STOP_IDS = 64  # stop_token_ids + eos ids per request
+TOP_LOGPROBS = 20  # alternatives computed when any request wants logprobs (OpenAI's maximum)
+
+
+@struct.dataclass
+class SlotState:
+    """Per-slot decoding state, resident on device between steps. S slots, V vocabulary."""
+
+    tokens: jax.Array  # [S] int32: last sampled token (the next decode input)
+    positions: jax.Array  # [S] int32: the position that token occupies
+    generated: jax.Array  # [S] int32: tokens sampled so far
+    min_tokens: jax.Array  # [S] int32: stop tokens are banned while generated < min_tokens
+    counts: jax.Array  # [S, V] int32: output-token counts (presence / frequency penalties)
+    prompt_mask: jax.Array  # [S, V] bool: tokens of the prompt (repetition penalty)
+    bias: jax.Array  # [S, V] float32: logit bias
+    stop_mask: jax.Array  # [S, V] bool: eos + stop_token_ids
+    sampling: SamplingArrays  # [S] knobs
+
+
+@struct.dataclass
+class PrefillChunk:
+    """One request's prompt chunk and its settings, built on the host (small arrays)."""
+
+    tokens: jax.Array  # [1, T] int32, padded to a bucket
+    slot: jax.Array  # [] int32
+    start: jax.Array  # [] int32: position of tokens[0, 0]
+    length: jax.Array  # [] int32: real tokens in this chunk
+    min_tokens: jax.Array  # [] int32
+    bias_ids: jax.Array  # [MAX_LOGIT_BIAS] int32, padded with V (dropped)
+    bias_values: jax.Array  # [MAX_LOGIT_BIAS] float32
+    stop_ids: jax.Array  # [MAX_STOP_IDS] int32, padded with V (dropped)
+    sampling: SamplingArrays  # [1]
+
+
+@struct.dataclass
+class StepOutput:
+    """What leaves the device per step: [steps, rows] arrays (rows = slots, or 1 for prefill)."""
+
+    tokens: jax.Array  # int32
+    bad: jax.Array  # bool: the logits were not all finite; the token must not be used
+    logprobs: jax.Array | None = None  # float32 log p of the chosen token
+    top_ids: jax.Array | None = None  # [..., TOP_LOGPROBS] int32
+    top_logprobs: jax.Array | None = None  # [..., TOP_LOGPROBS] float32
+
+
+def _choose(logits, prompt_mask, counts, bias, banned, sampling, positions, with_logprobs):
+    """Process raw logits [B, V] and pick one token per row; log-probs are of the raw distribution."""
+    processed = apply_penalties(logits, prompt_mask, counts, sampling) + bias
+    processed = jnp.where(banned, -jnp.inf, processed)
+    token = sample(processed, sampling, positions)
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
+    if not with_logprobs:
+        return token, StepOutput(tokens=token, bad=bad)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    top_values, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+    return token, StepOutput(token, bad, chosen, top_ids.astype(jnp.int32), top_values)
+
+
+def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, cfg, vocab, with_logprobs):
+    length, slot = chunk.length, chunk.slot
+    t = chunk.tokens.shape[1]
+    positions = chunk.start + jnp.arange(t, dtype=jnp.int32)[None, :]
+    hidden, cache = llama.forward(params, chunk.tokens, positions, cfg, cache, rows=slot[None])
+    last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
+    logits = llama.logits(params, last)[:, :vocab]  # [1, V]
+
+    # The slot's state row: chunks after the first add their tokens to the prompt mask.
+    real = jnp.arange(t) < length
+    prompt_row = jnp.where(chunk.start == 0, False, state.prompt_mask[slot])
+    prompt_row = prompt_row.at[jnp.where(real, chunk.tokens[0], vocab)].set(True, mode="drop")
+    bias_row = jnp.zeros((vocab,), jnp.float32).at[chunk.bias_ids].set(chunk.bias_values, mode="drop")
+    stop_row = jnp.zeros((vocab,), bool).at[chunk.stop_ids].set(True, mode="drop")
+    no_counts = jnp.zeros((1, vocab), jnp.int32)
+    banned = (stop_row & (chunk.min_tokens > 0))[None]
+    position = chunk.start + length  # where the sampled token goes
+    token, out = _choose(
+        logits,
+        prompt_row[None],
+        no_counts,
+        bias_row[None],
+        banned,
+        chunk.sampling,
+        position[None],
+        with_logprobs,
+    )
+    set_row = lambda array, value: array.at[slot].set(value)
+    state = SlotState(
+        tokens=set_row(state.tokens, token[0]),
+        positions=set_row(state.positions, position),
+        generated=set_row(state.generated, 1),
+        min_tokens=set_row(state.min_tokens, chunk.min_tokens),
+        counts=set_row(state.counts, no_counts[0].at[token[0]].set(1)),
+        prompt_mask=set_row(state.prompt_mask, prompt_row),
+        bias=set_row(state.bias, bias_row),
+        stop_mask=set_row(state.stop_mask, stop_row),
+        sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, chunk.sampling),
+    )
+    return cache, state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
+
+
+def _decode(params, cache: KVCache, state: SlotState, active, *, cfg, vocab, steps, with_logprobs):
+    rows = jnp.arange(state.tokens.shape[0])
+    advance = active.astype(jnp.int32)
+
+    def step(carry, _):
+        cache, state = carry
+        hidden, cache = llama.forward(params, state.tokens[:, None], state.positions[:, None], cfg, cache)
+        logits = llama.logits(params, hidden[:, 0])[:, :vocab]  # [S, V]
+        banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
+        next_positions = state.positions + 1
+        token, out = _choose(
+            logits,
+            state.prompt_mask,
+            state.counts,
+            state.bias,
+            banned,
+            state.sampling,
+            next_positions,
+            with_logprobs,
+        )
+        state = state.replace(
+            tokens=jnp.where(active, token, state.tokens),
+            positions=state.positions + advance,
+            generated=state.generated + advance,
+            counts=state.counts.at[rows, token].add(advance),
+        )
+        return (cache, state), out
+
+    (cache, state), outs = jax.lax.scan(step, (cache, state), None, length=steps)
+    return cache, state, outs
+
+
+@dataclasses.dataclass
+class Steps:
+    """The compiled verbs and the device layout they were built for."""
+
+    model: ModelConfig  # padded for the mesh
+    engine: EngineConfig
+    vocab_size: int  # the real vocabulary (logits beyond it are padding)
+    mesh: Mesh
+    prefill: dict[bool, callable]  # with_logprobs -> jitted prefill
+    decode: dict[bool, callable]  # with_logprobs -> jitted decode
+    cache_sharding: NamedSharding
+    state_shardings: SlotState
+
+    def compile_count(self) -> int:
+        """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
+        return sum(f._cache_size() for f in (*self.prefill.values(), *self.decode.values()))
+
+    def new_cache(self, dtype) -> KVCache:
+        return init_cache(
+            self.model, self.engine.max_slots, self.engine.cache_len, dtype, self.cache_sharding
+        )
+
+    def new_state(self) -> SlotState:
+        slots, vocab = self.engine.max_slots, self.vocab_size
+
+        def make():
+            zeros_sv = lambda dtype: jnp.zeros((slots, vocab), dtype)
+            zeros_s = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)
+            return SlotState(
+                tokens=zeros_s(),
+                positions=zeros_s(),
+                generated=zeros_s(),
+                min_tokens=zeros_s(),
+                counts=zeros_sv(jnp.int32),
+                prompt_mask=zeros_sv(bool),
+                bias=zeros_sv(jnp.float32),
+                stop_mask=zeros_sv(bool),
+                sampling=SamplingArrays(
+                    temperature=zeros_s(jnp.float32),
+                    top_k=zeros_s(),
+                    top_p=jnp.ones((slots,), jnp.float32),
+                    min_p=zeros_s(jnp.float32),
+                    repetition_penalty=jnp.ones((slots,), jnp.float32),
+                    presence_penalty=zeros_s(jnp.float32),
+                    frequency_penalty=zeros_s(jnp.float32),
+                    seed=zeros_s(jnp.uint32),
+                ),
+            )
+
+        return jax.jit(make, out_shardings=self.state_shardings)()
+
+
+def build_steps(
+    model: ModelConfig, engine: EngineConfig, mesh: Mesh, param_shardings, vocab_size: int
+) -> Steps:
+    """Jit prefill and decode once, with explicit shardings and the cache and state donated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    by_slot = NamedSharding(mesh, PartitionSpec(DATA))
+    by_slot_row = NamedSharding(mesh, PartitionSpec(DATA, None))
+    cache_sharding = NamedSharding(mesh, PartitionSpec(DATA, None, MODEL, None))  # [S, T, K, H]
+    cache_shardings = KVCache(k=(cache_sharding,) * model.num_layers, v=(cache_sharding,) * model.num_layers)
+    state_shardings = SlotState(
+        tokens=by_slot,
+        positions=by_slot,
+        generated=by_slot,
+        min_tokens=by_slot,
+        counts=by_slot_row,
+        prompt_mask=by_slot_row,
+        bias=by_slot_row,
+        stop_mask=by_slot_row,
+        sampling=SamplingArrays(*([by_slot] * len(dataclasses.fields(SamplingArrays)))),
+    )
+    common = {"cfg": model, "vocab": vocab_size}
+    carried = (cache_shardings, state_shardings)
+
+    def jit_prefill(with_logprobs):
+        fn = partial(_prefill, with_logprobs=with_logprobs, **common)
+        return jax.jit(
+            fn,
+            in_shardings=(param_shardings, *carried, replicated),
+            out_shardings=(*carried, replicated),
+            donate_argnums=(1, 2),
+        )
+
+    def jit_decode(with_logprobs):
+        fn = partial(_decode, steps=engine.decode_steps, with_logprobs=with_logprobs, **common)
+        return jax.jit(
+            fn,
+            in_shardings=(param_shardings, *carried, by_slot),
+            out_shardings=(*carried, replicated),
+            donate_argnums=(1, 2),
+        )
+
+    return Steps(
+        model=model,
+        engine=engine,
+        vocab_size=vocab_size,
+        mesh=mesh,
+        prefill={flag: jit_prefill(flag) for flag in (False, True)},
+        decode={flag: jit_decode(flag) for flag in (False, True)},
+        cache_sharding=cache_sharding,
+        state_shardings=state_shardings,
+    )
+
+
+def prefill_chunk_arrays(
+    tokens: np.ndarray,
+    slot: int,
+    start: int,
+    length: int,
+    min_tokens: int,
+    bias,
+    stop_ids,
+    sampling,
+    vocab: int,
+) -> PrefillChunk:
+    """Host-side construction of a PrefillChunk (padding the sparse lists to fixed sizes)."""
+    bias_ids = np.full(MAX_LOGIT_BIAS, vocab, np.int32)
+    bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    items = list(bias.items())
+    bias_ids[: len(items)] = [i for i, _ in items]
+    bias_values[: len(items)] = [v for _, v in items]
+    stops = np.full(MAX_STOP_IDS, vocab, np.int32)
+    stops[: len(stop_ids)] = list(stop_ids)
+    return PrefillChunk(
+        tokens=np.asarray(tokens, np.int32)[None, :],
+        slot=np.int32(slot),
+        start=np.int32(start),
+        length=np.int32(length),
+        min_tokens=np.int32(min_tokens),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        stop_ids=stops,
+        sampling=sampling,
+    )
