@@ -1,6 +1,7 @@
 """The `jinfer` command line: generate and convert.
 
     jinfer generate [--model M] [--chat] --prompt TEXT [--prompt TEXT ...] [--max-tokens N] ...
+    jinfer generate [--model M] --input prompts.jsonl --output results.jsonl [sampling flags]
     jinfer convert SRC DST        # any supported model -> jinfer orbax checkpoint directory
 
 Errors from bad input are printed as one line on stderr with exit status 2, never a traceback.
@@ -16,14 +17,17 @@ import time
 
 def _generate(args) -> int:
     import jinfer
+    from jinfer.batch import run_jsonl
 
+    if bool(args.prompt) == bool(args.input):
+        raise ValueError("give either --prompt (repeatable) or --input FILE.jsonl with --output FILE.jsonl")
+    if args.input and not args.output:
+        raise ValueError("--input needs --output")
     t0 = time.perf_counter()
-    options = {"dtype": args.dtype, "max_seq_len": args.max_seq_len}
+    options = {"dtype": args.dtype, "max_seq_len": args.max_seq_len, "max_slots": args.max_slots}
     llm = jinfer.LLM(args.model, **{k: v for k, v in options.items() if v is not None})
-    print(
-        f"loaded {args.model or 'the embedded SmolLM2-135M-Instruct'} in {time.perf_counter() - t0:.1f} s",
-        file=sys.stderr,
-    )
+    name = args.model or "the embedded SmolLM2-135M-Instruct"
+    print(f"loaded {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     sampling = jinfer.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -31,10 +35,16 @@ def _generate(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
+    if args.input:
+        written = run_jsonl(llm, args.input, args.output, sampling, args.context_policy)
+        print(f"wrote {written} results to {args.output}", file=sys.stderr)
+        return 0
     if args.chat:
-        results = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], sampling)
+        results = llm.chat(
+            [[{"role": "user", "content": p}] for p in args.prompt], sampling, args.context_policy
+        )
     else:
-        results = llm.generate(args.prompt, sampling)
+        results = llm.generate(args.prompt, sampling, args.context_policy)
     for prompt, completion in zip(args.prompt, results, strict=True):
         if args.json:
             record = {
@@ -72,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HF directory, .gguf file or jinfer checkpoint (default: embedded SmolLM2)",
     )
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--input", help="JSONL: {id, prompt | messages, sampling?} per line")
+    gen.add_argument("--output", help="JSONL results, appended as they finish; a rerun skips done ids")
+    gen.add_argument("--context-policy", choices=["error", "truncate", "drop_oldest"], default=None)
+    gen.add_argument("--max-slots", type=int, default=None)
     gen.add_argument(
         "--chat", action="store_true", help="treat each prompt as a user message and apply the chat template"
     )

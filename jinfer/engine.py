@@ -124,7 +124,8 @@ class Engine:
             self.cache, self.state, out = self.steps.decode[with_logprobs](
                 self.params, self.cache, self.state, active
             )
-        jax.block_until_ready(out)
+        self.cache = self.steps.clear_slot(self.cache, np.int32(0))
+        jax.block_until_ready((out, self.cache))
         return time.perf_counter() - start
 
     def compile_count(self) -> int:
@@ -294,7 +295,10 @@ class Engine:
             logprobs = {"logprobs": host.logprobs, "top_ids": host.top_ids, "top_logprobs": host.top_logprobs}
         with self._lock:
             self.scheduler.commit(owners, np.asarray(host.tokens), np.asarray(host.bad), logprobs)
+            poisoned, self.scheduler.poisoned_slots = self.scheduler.poisoned_slots, []
             self._lock.notify_all()
+        for slot in poisoned:  # before the next plan can give the slot to someone else
+            self.cache = self.steps.clear_slot(self.cache, np.int32(slot))
 
     def _recover(self, touched: list[Request], error: Exception) -> None:
         """Fail the touched requests; rebuild the cache if the failed call consumed it."""

@@ -149,17 +149,28 @@ class LLM:
         return results
 
     def iter_completions(
-        self, items: Iterable[tuple[list[int], SamplingParams]], context_policy: str | None = None
+        self,
+        items: Iterable[tuple[list[int], SamplingParams]],
+        context_policy: str | None = None,
+        invalid: str = "raise",
     ) -> Iterator[tuple[int, Completion]]:
         """Run (prompt ids, sampling) items through the engine; yield (index, Completion) as each finishes.
 
-        Every item is validated before anything runs, so a bad one raises without side effects.
+        Every item is validated before anything runs. With invalid="raise" a bad item raises without
+        side effects; with invalid="report" it is yielded at once as a Completion with
+        finish_reason "error" and the others run.
         """
         engine = self.engine
         pending = []
         for index, (ids, sp) in enumerate(items):
             collector = _Collector(index, sp.logprobs is not None)
-            request = engine.make_request(ids, sp, collector, context_policy=context_policy)
+            try:
+                request = engine.make_request(ids, sp, collector, context_policy=context_policy)
+            except ValueError as e:
+                if invalid == "raise":
+                    raise
+                yield index, Completion("", [], list(ids), "error", error=str(e))
+                continue
             pending.append((request, collector))
         pending.reverse()
         running: list[tuple[Any, _Collector]] = []

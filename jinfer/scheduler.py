@@ -158,6 +158,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.by_id: dict[str, Request] = {}
+        self.poisoned_slots: list[int] = []  # slots whose cache may now hold NaN/inf: to be cleared
 
     # ------------------------------------------------------------------------ inbox side
     def submit(self, request: Request) -> None:
@@ -253,6 +254,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- internal
     def _accept(self, request: Request, token: int, bad: bool, logprob: dict | None, now: float) -> None:
         if bad:
+            self.poisoned_slots.append(request.slot)
             self._finish(request, "error", error="the model produced NaN or infinite logits for this request")
             return
         if token in request.stop_ids and len(request.output_ids) >= request.sampling.min_tokens:

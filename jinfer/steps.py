@@ -172,6 +172,17 @@ def _decode(params, cache: KVCache, state: SlotState, active, *, cfg, vocab, ste
     return cache, state, outs
 
 
+def _clear_slot(cache: KVCache, slot):
+    """Zero one slot's cache rows (after non-finite values: 0 * NaN would leak through masking)."""
+
+    def clear(buffer):
+        return jax.lax.dynamic_update_slice(
+            buffer, jnp.zeros((1, *buffer.shape[1:]), buffer.dtype), (slot, 0, 0, 0)
+        )
+
+    return jax.tree.map(clear, cache)
+
+
 @dataclasses.dataclass
 class Steps:
     """The compiled verbs and the device layout they were built for."""
@@ -182,12 +193,14 @@ class Steps:
     mesh: Mesh
     prefill: dict[bool, callable]  # with_logprobs -> jitted prefill
     decode: dict[bool, callable]  # with_logprobs -> jitted decode
+    clear_slot: callable  # (cache, slot) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        return sum(f._cache_size() for f in (*self.prefill.values(), *self.decode.values()))
+        verbs = (*self.prefill.values(), *self.decode.values(), self.clear_slot)
+        return sum(f._cache_size() for f in verbs)
 
     def new_cache(self, dtype) -> KVCache:
         return init_cache(
@@ -272,6 +285,12 @@ def build_steps(
         mesh=mesh,
         prefill={flag: jit_prefill(flag) for flag in (False, True)},
         decode={flag: jit_decode(flag) for flag in (False, True)},
+        clear_slot=jax.jit(
+            _clear_slot,
+            in_shardings=(cache_shardings, replicated),
+            out_shardings=cache_shardings,
+            donate_argnums=0,
+        ),
         cache_sharding=cache_sharding,
         state_shardings=state_shardings,
     )

@@ -38,4 +38,4 @@ def smollm2_path():
 def smollm2_llm():
     import jinfer
 
-    return jinfer.LLM()
+    return jinfer.LLM(max_slots=4, max_seq_len=512)  # the embedded model; a small cache keeps tests quick

@@ -126,7 +126,9 @@ def test_bad_prompts_and_sampling(tiny_model):
         llm.generate([""])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 999]])
-    with pytest.raises(ValueError, match="context window is 64 tokens, but the prompt has 60 tokens and max_tokens=10"):
+    with pytest.raises(
+        ValueError, match="context window is 64 tokens, but the prompt has 60 tokens and max_tokens=10"
+    ):
         llm.generate([[1] * 60], jinfer.SamplingParams(max_tokens=10))
     with pytest.raises(TypeError, match="not a single string"):
         llm.generate("just one string")

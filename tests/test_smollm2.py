@@ -75,3 +75,28 @@ def test_gguf_tokenizer_splits_digits_like_llama_cpp(smollm2_llm):
     ids = tok.encode("in 2024 we had 31337 users")
     digit_pieces = [tok.decode([i]) for i in ids if tok.decode([i]).strip().isdigit()]
     assert digit_pieces == list("2024") + list("31337")
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        jinfer.SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=7, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_batch_invariance_on_smollm2(smollm2_llm, sampling):
+    (alone,) = smollm2_llm.generate([PROMPT], sampling)
+    slots = smollm2_llm.engine.config.max_slots
+    rng = np.random.RandomState(0)
+    neighbours = [TEXTS[i % len(TEXTS)] * (1 + i % 3) for i in range(slots - 1)]
+    neighbour_sampling = [
+        jinfer.SamplingParams(
+            max_tokens=int(rng.randint(8, 30)), temperature=float(rng.choice([0, 1.0])), seed=i
+        )
+        for i in range(slots - 1)
+    ]
+    for slot in (0, slots // 2, slots - 1):
+        prompts = [*neighbours[:slot], PROMPT, *neighbours[slot:]]
+        samplings = [*neighbour_sampling[:slot], sampling, *neighbour_sampling[slot:]]
+        assert smollm2_llm.generate(prompts, samplings)[slot].token_ids == alone.token_ids, slot

@@ -1,0 +1,246 @@
+"""The engine on tiny real models: batch invariance, chunked prefill, sharding, compiles, policies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import VOCAB
+
+import jinfer
+from jinfer.context import ContextLengthError
+from jinfer.models import llama
+from jinfer.scheduler import QueueFullError
+
+GREEDY = jinfer.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+SEEDED = jinfer.SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+
+
+def _prompt(seed, length):
+    return np.random.RandomState(seed).randint(0, VOCAB, length).tolist()
+
+
+def _cotenant(seed):
+    """A random neighbour: random length and random sampling settings."""
+    rng = np.random.RandomState(seed)
+    sampling = jinfer.SamplingParams(
+        max_tokens=int(rng.randint(4, 24)),
+        temperature=float(rng.choice([0.0, 0.7, 1.3])),
+        top_k=int(rng.choice([0, 5])),
+        top_p=float(rng.choice([1.0, 0.8])),
+        repetition_penalty=float(rng.choice([1.0, 1.3])),
+        presence_penalty=float(rng.choice([0.0, 0.5])),
+        logprobs=int(rng.choice([0, 3])) if rng.rand() < 0.5 else None,
+        ignore_eos=True,
+    )
+    return _prompt(seed + 1000, int(rng.randint(3, 60))), sampling
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return jinfer.LLM(
+        tiny_model("llama_gqa_untied")[0], max_slots=4, max_seq_len=128, prefill_buckets=(16, 32)
+    )
+
+
+def _greedy_reference(llm, prompt, n):
+    """Greedy tokens from repeated full forward passes (no cache, no engine), padded to 128."""
+    cfg = llm.engine.steps.model
+
+    @jax.jit
+    def next_token(params, tokens, length):
+        hidden, _ = llama.forward(params, tokens, jnp.arange(tokens.shape[1])[None], cfg)
+        last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)
+        return jnp.argmax(llama.logits(params, last)[0, :VOCAB])
+
+    ids = list(prompt)
+    for _ in range(n):
+        tokens = np.zeros((1, 128), np.int32)
+        tokens[0, : len(ids)] = ids
+        ids.append(int(next_token(llm.params, tokens, len(ids))))
+    return ids[len(prompt) :]
+
+
+def test_engine_greedy_equals_full_forward_reference_with_chunked_prefill(llm):
+    for length in (5, 31, 70):  # 70 > the largest bucket (32): prefilled in three chunks
+        prompt = _prompt(length, length)
+        (out,) = llm.generate([prompt], GREEDY)
+        assert out.token_ids == _greedy_reference(llm, prompt, 16), length
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batch_invariance_in_every_slot(llm, sampling):
+    target = _prompt(7, 21)
+    (alone,) = llm.generate([target], sampling)
+    for slot in range(4):
+        neighbours = [_cotenant(10 * slot + i) for i in range(6)]
+        prompts = [p for p, _ in neighbours]
+        samplings = [s for _, s in neighbours]
+        prompts.insert(slot, target)
+        samplings.insert(slot, sampling)
+        results = llm.generate(prompts, samplings)
+        assert results[slot].token_ids == alone.token_ids, slot
+
+
+def test_no_recompiles_after_warmup(tiny_model):
+    llm = jinfer.LLM(tiny_model("qwen2_bias_tied")[0], max_slots=4, max_seq_len=128, prefill_buckets=(16, 32))
+    llm.engine.warmup()
+    before = llm.engine.compile_count()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if "backend_compile" in event else None
+    )
+    prompts, samplings = zip(*[_cotenant(s) for s in range(12)], strict=True)
+    samplings = list(samplings)
+    samplings[0] = jinfer.SamplingParams(max_tokens=5, logit_bias={3: 2.0}, stop=["ab"], min_tokens=2)
+    prompts = [*prompts[:-1], _prompt(99, 100)]  # one long prompt: chunked
+    results = llm.generate(list(prompts), samplings)
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    assert llm.engine.compile_count() == before
+    assert compiles == []
+
+
+def test_cancel_frees_the_slot_within_one_step(llm):
+    engine = llm.engine
+    events = []
+    request = engine.submit(
+        _prompt(1, 10), jinfer.SamplingParams(max_tokens=100, ignore_eos=True), events.append
+    )
+    other = []
+    engine.submit(
+        _prompt(2, 10), jinfer.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), other.append
+    )
+    for _ in range(3):
+        engine.step()
+    assert request.slot is not None and engine.scheduler.slots[request.slot] is request
+    engine.cancel(request.request_id)
+    engine.step()
+    assert request not in engine.scheduler.slots
+    assert events[-1].finished and events[-1].finish_reason == "abort"
+    engine.run_until_idle()
+    assert other[-1].finish_reason == "length" and sum(len(e.token_ids) for e in other) == 6
+    assert engine.scheduler.slots == [None] * 4 and not engine.scheduler.waiting
+
+
+def test_queue_full_rejects_and_accepted_requests_complete(tiny_model):
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_queue=2, max_seq_len=64)
+    engine = llm.engine
+    finals = []
+    sink = lambda e: finals.append(e) if e.finished else None
+    sampling = jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.submit([1, 2, 3], sampling, sink)
+    engine.submit([4, 5, 6], sampling, sink)
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.submit([7, 8, 9], sampling, sink)
+    engine.run_until_idle()
+    assert [e.finish_reason for e in finals] == ["length", "length"]
+
+
+def test_context_policies(llm):
+    long_prompt = _prompt(3, 120)
+    with pytest.raises(
+        ContextLengthError, match="context window is 128 tokens, but the prompt has 120 tokens"
+    ):
+        llm.generate([long_prompt], jinfer.SamplingParams(max_tokens=20))
+    (out,) = llm.generate(
+        [long_prompt], jinfer.SamplingParams(max_tokens=20, temperature=0), context_policy="truncate"
+    )
+    assert out.metrics["dropped_prompt_tokens"] == 12 and out.prompt_token_ids == long_prompt[12:]
+    assert len(out.token_ids) == 20
+    (window,) = llm.generate(
+        [_prompt(4, 100)], jinfer.SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    )
+    assert len(window.token_ids) == 28 and window.finish_reason == "length"  # "up to the window"
+
+    system = {"role": "system", "content": "Be brief."}
+    history = [{"role": r, "content": "Once upon a time " * 8} for r in ("user", "assistant") * 3]
+    question = {"role": "user", "content": "What is the capital of France?"}
+    conversation = [system, *history, question]
+    with pytest.raises(ContextLengthError):
+        llm.chat([conversation], jinfer.SamplingParams(max_tokens=8))
+    (answer,) = llm.chat([conversation], jinfer.SamplingParams(max_tokens=8), context_policy="drop_oldest")
+    assert answer.metrics["dropped_messages"] >= 1
+    kept = llm.tokenizer.decode(answer.prompt_token_ids, skip_special_tokens=False)
+    assert kept.startswith("<|im_start|>system\nBe brief.") and "capital of France" in kept
+
+
+def test_stop_string_split_across_tokens_is_held_back_and_cut(llm):
+    (free,) = llm.generate(
+        [_prompt(5, 9)], jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    )
+    pieces = [llm.tokenizer.decode([t]) for t in free.token_ids]
+    # A stop string made of the end of one token and the start of the next.
+    whole = lambda piece: piece.strip() and "\ufffd" not in piece
+    i = next(i for i in range(2, len(pieces) - 1) if whole(pieces[i]) and whole(pieces[i + 1]))
+    stop = pieces[i][-1] + pieces[i + 1][0]
+    expected = free.text[: free.text.find(stop)]
+    events = []
+    sampling = jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    llm.engine.submit(_prompt(5, 9), sampling, events.append)
+    llm.engine.run_until_idle()
+    streamed = "".join(e.text for e in events)
+    assert streamed == expected and stop not in streamed
+    assert events[-1].finish_reason == "stop"
+
+
+def test_nan_logits_end_only_that_request(tiny_model):
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=4, max_seq_len=64)
+    healthy = [_prompt(s, 12) for s in range(3)]
+    alone = [o.token_ids for o in llm.generate(healthy, GREEDY)]
+    poison = 13
+    engine = llm.engine
+    engine.params = engine.params.replace(embed=engine.params.embed.at[poison].set(np.nan))
+    clean = [[t for t in p if t != poison] for p in healthy]
+    alone = [o.token_ids for o in llm.generate(clean, GREEDY)]
+    results = llm.generate([clean[0], [1, poison, 2], clean[1], clean[2]], GREEDY)
+    assert results[1].finish_reason == "error" and "NaN" in results[1].error and results[1].token_ids == []
+    assert [results[i].token_ids for i in (0, 2, 3)] == alone
+    # The poisoned slot is clean again for the next request that gets it.
+    again = llm.generate(clean + [clean[0]], GREEDY)
+    assert [o.token_ids for o in again] == [*alone, alone[0]]
+
+
+def test_device_failure_fails_touched_requests_and_engine_keeps_serving(llm, monkeypatch):
+    engine = llm.engine
+    real = engine.steps.decode[False]
+    calls = {"n": 0}
+
+    def failing_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device fault")
+        return real(*args)
+
+    monkeypatch.setitem(engine.steps.decode, False, failing_once)
+    first = llm.generate([_prompt(1, 8), _prompt(2, 8)], GREEDY)
+    assert [r.finish_reason for r in first] == ["error", "error"]
+    assert "simulated device fault" in first[0].error
+    monkeypatch.setitem(engine.steps.decode, False, real)
+    (after,) = llm.generate([_prompt(7, 21)], GREEDY)
+    assert after.finish_reason == "length" and after.token_ids == _greedy_reference(llm, _prompt(7, 21), 16)
+
+
+def test_metrics_report_queue_ttft_and_inter_token_times(llm):
+    (out,) = llm.generate([_prompt(8, 10)], GREEDY)
+    m = out.metrics
+    assert m["prompt_tokens"] == 10 and m["completion_tokens"] == 16
+    assert 0 <= m["queue_s"] <= m["ttft_s"] <= m["total_s"]
+    assert len(m["inter_token_s"]) == 15 and all(t >= 0 for t in m["inter_token_s"])
+
+
+def test_memory_check_refuses_a_cache_that_cannot_fit(tiny_model):
+    with pytest.raises(ValueError, match=r"needs .* GiB but only .* GiB is available.*would fit"):
+        jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=4096, max_seq_len=256, memory_fraction=1e-4)
+
+
+@pytest.mark.parametrize(("data", "model"), [(2, 4), (1, 8)])
+def test_sharded_equals_unsharded(tiny_model, data, model):
+    directory, _ = tiny_model("smollm2_like")  # 6 query / 2 kv heads: padded to divide the model axis
+    options = {"max_slots": 8, "max_seq_len": 128, "prefill_buckets": (16, 32)}
+    prompts = [_prompt(s, 5 + 9 * s) for s in range(8)]
+    samplings = [GREEDY if s % 2 else SEEDED for s in range(8)]
+    single = jinfer.LLM(directory, **options)
+    sharded = jinfer.LLM(directory, mesh_data=data, mesh_model=model, **options)
+    assert len(sharded.params.layers[0].wk.sharding.device_set) == data * model
+    expected = [o.token_ids for o in single.generate(prompts, samplings)]
+    assert [o.token_ids for o in sharded.generate(prompts, samplings)] == expected
+    np.testing.assert_allclose(sharded.score([prompts[3]])[0], single.score([prompts[3]])[0], atol=1e-4)

@@ -1,0 +1,123 @@
+"""The host scheduler driven by hand-made "device" outputs: admission, chunking, stops, cancel."""
+
+import numpy as np
+import pytest
+from tiny import train_tokenizer
+
+from jinfer import SamplingParams, load_tokenizer
+from jinfer.scheduler import QueueFullError, Request, Scheduler, TextStream
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tok"))
+    train_tokenizer(directory)
+    return load_tokenizer(directory)
+
+
+def _request(tokenizer, rid, prompt_len=5, events=None, **sampling):
+    sp = SamplingParams(**{"max_tokens": 8, **sampling})
+    prompt = list(range(40, 40 + prompt_len))
+    sink = (events if events is not None else []).append
+    return Request(
+        rid,
+        prompt,
+        sp,
+        sp.max_tokens,
+        frozenset({EOS}),
+        0,
+        sink,
+        TextStream(tokenizer, prompt, tuple(sp.stop or ())),
+    )
+
+
+def _tokens(*rows):
+    """[steps, rows] token array from per-row sequences."""
+    return np.array(rows, dtype=np.int32).T
+
+
+def test_queue_bound_admission_and_chunked_prefill(tokenizer):
+    s = Scheduler(tokenizer, max_slots=2, max_queue=3, chunk_len=32, token_budget=40)
+    long, a, b = _request(tokenizer, "long", 70), _request(tokenizer, "a"), _request(tokenizer, "b")
+    for r in (long, a, b):
+        s.submit(r)
+    with pytest.raises(QueueFullError):
+        s.submit(_request(tokenizer, "c"))
+    plan = s.plan()
+    # Budget 40: the long prompt's first chunk (32) and all of "a" (5) fit; "b" waits for a slot.
+    assert [(w.request.request_id, w.start, len(w.tokens), w.last) for w in plan.prefills] == [
+        ("long", 0, 32, False),
+        ("a", 0, 5, True),
+    ]
+    assert plan.decode_owners == [None, a] and list(s.waiting) == [b]
+    plan = s.plan()
+    assert [(w.start, len(w.tokens)) for w in plan.prefills] == [(32, 32)]
+    plan = s.plan()
+    assert [(w.start, len(w.tokens), w.last) for w in plan.prefills] == [(64, 6, True)]
+    assert plan.decode_owners == [long, a]
+
+
+def test_commit_stops_on_eos_length_and_ignores_results_after_finish(tokenizer):
+    s = Scheduler(tokenizer, max_slots=3, max_queue=8, chunk_len=32, token_budget=512)
+    ev_eos, ev_len, ev_min = [], [], []
+    r_eos = _request(tokenizer, "eos", events=ev_eos)
+    r_len = _request(tokenizer, "len", events=ev_len, max_tokens=3)
+    r_min = _request(tokenizer, "min", events=ev_min, min_tokens=2)
+    for r in (r_eos, r_len, r_min):
+        s.submit(r)
+    owners = s.plan().decode_owners
+    s.commit(owners, _tokens([70, EOS, 71, 72], [70, 71, 72, 73], [EOS, 70, EOS, 71]), np.zeros((4, 3), bool))
+    assert r_eos.output_ids == [70] and ev_eos[-1].finish_reason == "stop"
+    assert r_len.output_ids == [70, 71, 72] and ev_len[-1].finish_reason == "length"
+    # min_tokens=2: the first EOS is kept as text would be (host never stops early), the second stops.
+    assert r_min.output_ids == [EOS, 70] and ev_min[-1].finish_reason == "stop"
+    assert s.slots == [None, None, None]
+    # The device ran ahead: results for the same (finished) owners are ignored.
+    s.commit(owners, _tokens([80], [80], [80]), np.zeros((1, 3), bool))
+    assert r_eos.output_ids == [70] and len(ev_eos) == 2
+
+
+def test_bad_logits_end_one_request_and_mark_its_slot(tokenizer):
+    s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512)
+    good_events, bad_events = [], []
+    good, bad = _request(tokenizer, "good", events=good_events), _request(tokenizer, "bad", events=bad_events)
+    s.submit(good)
+    s.submit(bad)
+    owners = s.plan().decode_owners
+    s.commit(owners, _tokens([70, 71], [70, 71]), np.array([[False, True], [False, False]]))
+    assert bad_events[-1].finish_reason == "error" and "NaN" in bad_events[-1].error and bad.output_ids == []
+    assert good.output_ids == [70, 71] and not good.finished
+    assert s.poisoned_slots == [1] and s.slots == [good, None]
+
+
+def test_cancel_waiting_and_running(tokenizer):
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512)
+    ev_run, ev_wait = [], []
+    running, waiting = _request(tokenizer, "run", events=ev_run), _request(tokenizer, "wait", events=ev_wait)
+    s.submit(running)
+    s.submit(waiting)
+    s.plan()
+    assert s.cancel("wait") and s.cancel("run") and not s.cancel("unknown")
+    plan = s.plan()
+    assert ev_run[-1].finish_reason == "abort" and ev_wait[-1].finish_reason == "abort"
+    assert plan.prefills == [] and not plan.decodes and not s.has_work
+
+
+def test_text_stream_holds_back_possible_stop_strings(tokenizer):
+    ids = tokenizer.encode("the quick brown fox", add_special_tokens=False)
+    stream = TextStream(tokenizer, [], ("brown",))
+    emitted, stopped = "", False
+    for token in ids:
+        text, stopped = stream.add(token)
+        emitted += text
+        assert "b" not in emitted  # "b", "br", ... might start "brown": never sent early
+        if stopped:
+            break
+    assert stopped and emitted == "the quick "
+    assert stream.finish() == ""
+    # A false start is released once it cannot be the stop string any more.
+    stream = TextStream(tokenizer, [], ("brown",))
+    out = "".join(stream.add(t)[0] for t in tokenizer.encode("bro and brew", add_special_tokens=False))
+    assert out + stream.finish() == "bro and brew"
