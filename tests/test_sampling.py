@@ -1,9 +1,13 @@
 """Per-row sampling functions: each knob checked against values worked out by hand."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, sample, token_logprobs
+from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, token_logprobs
+from jinfer.sampling import sample as _sample
+
+sample = jax.jit(_sample)
 
 LOGITS = jnp.asarray([[2.0, 1.0, 0.5, -1.0, 3.0]])  # best: 4, then 0, 1, 2, 3
 
