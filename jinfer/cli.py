@@ -27,7 +27,12 @@ def _generate(args) -> int:
     options = {"dtype": args.dtype, "max_seq_len": args.max_seq_len, "max_slots": args.max_slots}
     llm = jinfer.LLM(args.model, **{k: v for k, v in options.items() if v is not None})
     name = args.model or "the embedded SmolLM2-135M-Instruct"
-    print(f"loaded {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    engine = llm.engine.config
+    print(
+        f"loaded {name} in {time.perf_counter() - t0:.1f} s; KV cache {llm.engine.cache_bytes / 2**20:.0f} MiB "
+        f"({engine.max_slots} slots x {engine.cache_len} positions, {engine.dtype})",
+        file=sys.stderr,
+    )
     sampling = jinfer.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

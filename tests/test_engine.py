@@ -244,3 +244,34 @@ def test_sharded_equals_unsharded(tiny_model, data, model):
     expected = [o.token_ids for o in single.generate(prompts, samplings)]
     assert [o.token_ids for o in sharded.generate(prompts, samplings)] == expected
     np.testing.assert_allclose(sharded.score([prompts[3]])[0], single.score([prompts[3]])[0], atol=1e-4)
+
+
+def test_background_loop_serves_submissions_from_other_threads(tiny_model):
+    import threading
+
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=64)
+    expected = [o.token_ids for o in llm.generate([_prompt(s, 6) for s in range(4)], GREEDY)]
+    engine = llm.engine
+    engine.start()
+    try:
+        done = [threading.Event() for _ in range(4)]
+        tokens = [[] for _ in range(4)]
+
+        def sink_for(i):
+            def sink(event):
+                tokens[i].extend(event.token_ids)
+                if event.finished:
+                    done[i].set()
+
+            return sink
+
+        threads = [
+            threading.Thread(target=engine.submit, args=(_prompt(s, 6), GREEDY, sink_for(s)), kwargs={"block": True})
+            for s in range(4)
+        ]
+        for t in threads:
+            t.start()
+        assert all(d.wait(timeout=60) for d in done)
+        assert tokens == expected
+    finally:
+        engine.stop()
