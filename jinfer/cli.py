@@ -27,9 +27,9 @@ def _generate(args) -> int:
     options = {"dtype": args.dtype, "max_seq_len": args.max_seq_len, "max_slots": args.max_slots}
     llm = jinfer.LLM(args.model, **{k: v for k, v in options.items() if v is not None})
     name = args.model or "the embedded SmolLM2-135M-Instruct"
-    engine = llm.engine.config
+    engine, cache_mib = llm.engine.config, llm.engine.cache_bytes / 2**20
     print(
-        f"loaded {name} in {time.perf_counter() - t0:.1f} s; KV cache {llm.engine.cache_bytes / 2**20:.0f} MiB "
+        f"loaded {name} in {time.perf_counter() - t0:.1f} s; KV cache {cache_mib:.0f} MiB "
         f"({engine.max_slots} slots x {engine.cache_len} positions, {engine.dtype})",
         file=sys.stderr,
     )

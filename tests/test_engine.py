@@ -265,10 +265,8 @@ def test_background_loop_serves_submissions_from_other_threads(tiny_model):
 
             return sink
 
-        threads = [
-            threading.Thread(target=engine.submit, args=(_prompt(s, 6), GREEDY, sink_for(s)), kwargs={"block": True})
-            for s in range(4)
-        ]
+        submit = lambda s: engine.submit(_prompt(s, 6), GREEDY, sink_for(s), block=True)
+        threads = [threading.Thread(target=submit, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
         assert all(d.wait(timeout=60) for d in done)
