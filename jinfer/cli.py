@@ -1,4 +1,6 @@
-"""The `jinfer` command line: generate and convert.
+"""The `jinfer` command line: serve, generate and convert.
+
+    jinfer serve [--model M] [--port 8000] [--config configs/X.toml] ...   (see serve/main.py)
 
     jinfer generate [--model M] [--chat] --prompt TEXT [--prompt TEXT ...] [--max-tokens N] ...
     jinfer generate [--model M] --input prompts.jsonl --output results.jsonl [sampling flags]
@@ -105,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON record per prompt")
     gen.set_defaults(func=_generate)
 
+    serve = sub.add_parser(
+        "serve", help="run the OpenAI-compatible server (see `jinfer serve --help`)", add_help=False
+    )
+    serve.set_defaults(func=None)
+
     conv = sub.add_parser("convert", help="write a jinfer (orbax) checkpoint from any supported model")
     conv.add_argument("src", help="HF directory, .gguf file or jinfer checkpoint")
     conv.add_argument("dst", help="output directory")
@@ -113,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the server parses its own (many) options
+        from serve.main import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -57,14 +57,14 @@ def available_memory_bytes(device) -> int:
 class Engine:
     """Continuous batching over `max_slots` fixed slots of one preallocated KV cache."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, eos_token_ids=()):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         config = config or EngineConfig()
         if config.max_seq_len > loaded.config.max_position_embeddings:
             config = dataclasses.replace(config, max_seq_len=loaded.config.max_position_embeddings)
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_ids = loaded.eos_token_ids
         self.dtype = _DTYPES[config.dtype]
         self.mesh = make_mesh(config.mesh_data, config.mesh_model)
         padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
@@ -130,6 +130,18 @@ class Engine:
 
     def compile_count(self) -> int:
         return self.steps.compile_count()
+
+    def stats(self) -> dict[str, float]:
+        """Load figures for monitoring: requests running / waiting, slots in use, KV cache use."""
+        with self._lock:
+            active = self.scheduler.active_requests()
+            used = sum(r.prefilled + len(r.output_ids) for r in active)
+            return {
+                "running": sum(r.running for r in active),
+                "waiting": len(self.scheduler.waiting),
+                "slots_in_use": len(active),
+                "kv_cache_usage": used / (self.config.max_slots * self.config.max_seq_len),
+            }
 
     # ----------------------------------------------------------------------------- inbox
     def make_request(

@@ -92,9 +92,8 @@ class LLM:
         defaults = loaded.generation_defaults
         knobs = ("temperature", "top_p", "top_k", "repetition_penalty")
         self.default_sampling = SamplingParams(**{k: defaults[k] for k in knobs if k in defaults})
-        eos = [*self.config.eos_token_ids, *self.tokenizer.eos_token_ids, *defaults.get("eos_token_ids", [])]
-        self.eos_token_ids = tuple(dict.fromkeys(eos))
-        self.engine = Engine(loaded, EngineConfig(**engine_options), self.eos_token_ids)
+        self.eos_token_ids = loaded.eos_token_ids
+        self.engine = Engine(loaded, EngineConfig(**engine_options))
         self.max_seq_len = self.engine.config.max_seq_len
         self._score = jax.jit(partial(_score, cfg=self.engine.steps.model, vocab=self.config.vocab_size))
 

@@ -45,6 +45,13 @@ class LoadedModel:
     generation_defaults: dict[str, Any]  # from generation_config.json (temperature, top_p, ...)
     source: str
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids from the config, the tokenizer and generation_config.json."""
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        eos = [*self.config.eos_token_ids, *tokenizer_eos, *self.generation_defaults.get("eos_token_ids", [])]
+        return tuple(dict.fromkeys(eos))
+
 
 # ----------------------------------------------------------------------------- param assembly
 def param_paths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,72 @@
+"""Serving metrics in Prometheus form: latency histograms, load gauges, token and outcome counters.
+
+Per-request numbers (queue time, time to first token, inter-token latencies, end-to-end time) come
+from the `metrics` dict of each finished request; load gauges (running and waiting requests, slots
+in use, KV cache use) are read from the engine when scraped. Each `ServingMetrics` owns its own
+registry, so several servers (or tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServingMetrics:
+    def __init__(self, engine_stats: Callable[[], dict[str, float]]):
+        self.registry = CollectorRegistry()
+        self._engine_stats = engine_stats
+        r = self.registry
+        self.ttft = Histogram(
+            "jinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "jinfer_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "jinfer_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "jinfer_request_queue_time_seconds",
+            "Time waiting for a slot",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("jinfer_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("jinfer_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "jinfer_requests_finished", "Finished requests", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "jinfer_requests_rejected", "Requests rejected (queue full, not ready)", registry=r
+        )
+        self.running = Gauge("jinfer_requests_running", "Requests holding a slot", registry=r)
+        self.waiting = Gauge("jinfer_requests_waiting", "Requests waiting for a slot", registry=r)
+        self.slots = Gauge("jinfer_slots_in_use", "Slots in use", registry=r)
+        self.kv_usage = Gauge(
+            "jinfer_kv_cache_usage_ratio", "Share of KV cache positions holding tokens", registry=r
+        )
+
+    def observe_finished(self, reason: str, metrics: dict[str, Any] | None) -> None:
+        self.finished.labels(finish_reason=reason).inc()
+        if not metrics:
+            return
+        self.prompt_tokens.inc(metrics.get("prompt_tokens", 0))
+        self.generation_tokens.inc(metrics.get("completion_tokens", 0))
+        for histogram, key in ((self.ttft, "ttft_s"), (self.e2e, "total_s"), (self.queue, "queue_s")):
+            if metrics.get(key) is not None:
+                histogram.observe(metrics[key])
+        for gap in metrics.get("inter_token_s", ()):
+            self.itl.observe(gap)
+
+    def exposition(self) -> bytes:
+        stats = self._engine_stats()
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.slots.set(stats["slots_in_use"])
+        self.kv_usage.set(stats["kv_cache_usage"])
+        return generate_latest(self.registry)

@@ -1,0 +1,569 @@
+"""The OpenAI-compatible Starlette app: HTTP + SSE + WebSocket in, engine calls, events out.
+
+    POST /v1/completions, /v1/chat/completions   (stream=true: Server-Sent Events)
+    GET  /v1/models      POST /tokenize, /detokenize
+    GET  /health (liveness)   /ready (503 while warming up or draining)   /metrics (Prometheus)
+    WS   /v1/ws          two-way streaming: send requests, receive token events, cancel any time
+
+Every error is answered in OpenAI's shape with its status; nothing a client sends can raise past
+the handlers. The app never touches a slot or a device array: it talks to the engine through
+`EngineBridge`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from jinfer.context import ContextLengthError, fit_conversation
+from jinfer.engine import Engine
+from jinfer.metrics import ServingMetrics
+from jinfer.scheduler import QueueFullError
+from jinfer.tokenizer import TokenizerError
+from serve.bridge import EngineBridge
+from serve.protocol import (
+    APIError,
+    GenerationRequest,
+    choice_sampling,
+    format_logprobs,
+    new_id,
+    now,
+    parse_generation,
+    parse_json_object,
+    timings,
+    usage,
+)
+
+log = logging.getLogger("jinfer.serve")
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    served_model_name: str = "jinfer"
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_body_bytes: int = 4 * 2**20
+    stream_max_tokens: int = 1  # tokens coalesced per SSE event (1: each token as it arrives)
+    stream_max_delay_ms: float = 0.0  # ... or until this long after the first buffered token
+    keepalive_s: float = 15.0  # SSE comment after this much silence
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish
+    retry_after_s: int = 1  # Retry-After on 429
+
+
+OPEN_PATHS = {b"/health", b"/ready"}  # exact raw paths that need no API key
+
+
+class AuthMiddleware:
+    """Bearer-key check on the raw request path, before routing: `//x` or `/a/../b` never bypass it."""
+
+    def __init__(self, app, keys: tuple[str, ...]):
+        self.app, self.keys = app, [k.encode() for k in keys]
+
+    async def __call__(self, scope, receive, send):
+        if not self.keys or scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        raw = scope.get("raw_path") or scope["path"].encode()
+        if raw.split(b"?", 1)[0] in OPEN_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+            return
+        response = _error_response(APIError(401, "invalid or missing API key", code="invalid_api_key"))
+        await response(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"")
+        token = given[7:].strip() if given[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        # Compare against every key (constant time each), so timing reveals nothing.
+        results = [hmac.compare_digest(token, key) for key in self.keys]
+        return any(results)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class JinferAPI:
+    """Route handlers over one engine."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.bridge: EngineBridge | None = None  # created on the event loop at startup
+        self.metrics = ServingMetrics(engine.stats)
+        self.ready = False
+        self.draining = False
+
+    # ------------------------------------------------------------------------ lifecycle
+    async def startup(self) -> None:
+        self.bridge = EngineBridge(self.engine, self.metrics.observe_finished)
+        seconds = await asyncio.to_thread(self.engine.warmup)
+        self.engine.start()
+        self.ready = True
+        log.info("warm-up took %.1f s; %d compiled programs; ready", seconds, self.engine.compile_count())
+
+    async def shutdown(self) -> None:
+        self.ready = False
+        await asyncio.to_thread(self.engine.stop)
+
+    async def drain(self) -> None:
+        """Stop admitting, let running requests finish up to the timeout, then abort the rest."""
+        self.draining = True
+        log.info("draining: %d requests in flight", len(self.bridge.in_flight))
+        if not await self.bridge.wait_idle(self.settings.drain_timeout_s):
+            log.info("drain timeout: aborting %d requests", len(self.bridge.in_flight))
+            self.bridge.cancel_all()
+            await self.bridge.wait_idle(10.0)
+
+    def _check_serving(self) -> None:
+        if self.draining:
+            self.metrics.rejected.inc()
+            raise APIError(503, "the server is shutting down", code="draining")
+        if not self.ready:
+            self.metrics.rejected.inc()
+            raise APIError(503, "the server is warming up", code="not_ready", headers={"Retry-After": "5"})
+
+    # ------------------------------------------------------------------------- helpers
+    async def _body(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        return parse_json_object(b"".join(chunks))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
+
+    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        max_seq_len = self.engine.config.max_seq_len
+        try:
+            if req.kind == "chat":
+                if self.tokenizer.chat_template is None:
+                    raise APIError(400, "this model has no chat template; use /v1/completions")
+                policy = req.context_policy or self.engine.config.context_policy
+                ids, _, _ = fit_conversation(
+                    self.tokenizer, req.messages, req.sampling.max_tokens, max_seq_len, policy
+                )
+                return ids
+            if isinstance(req.prompt, str):
+                return self.tokenizer.encode(req.prompt)
+            return list(req.prompt)
+        except ContextLengthError as e:
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+        except TokenizerError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def _open_all(self, req: GenerationRequest, queue: asyncio.Queue) -> tuple[list[str], list[int]]:
+        """Submit the n choices; on any failure cancel the ones already submitted."""
+        prompt_ids = self._prompt_ids(req)
+        policy = "error" if req.context_policy == "drop_oldest" else req.context_policy
+        opened: list[str] = []
+        try:
+            for index in range(req.n):
+                sampling = choice_sampling(req, index)
+                opened.append(self.bridge.open(prompt_ids, sampling, queue, index, policy))
+        except Exception as e:
+            for request_id in opened:
+                self.bridge.cancel(request_id)
+            if isinstance(e, QueueFullError):
+                self.metrics.rejected.inc()
+                raise APIError(
+                    429, str(e), code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)}
+                ) from None
+            if isinstance(e, ContextLengthError):
+                raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
+            raise
+        return opened, prompt_ids
+
+    # ------------------------------------------------------------------------ handlers
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready_check(self, request: Request) -> Response:
+        if self.draining or not self.ready:
+            return JSONResponse({"status": "draining" if self.draining else "warming_up"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.settings.served_model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "jinfer",
+            "max_model_len": self.engine.config.max_seq_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        self._check_model(body.get("model"))
+        try:
+            if "messages" in body:
+                messages = body["messages"]
+                if not isinstance(messages, list):
+                    raise APIError(400, "'messages' must be a list", param="messages")
+                add_prompt = body.get("add_generation_prompt", True)
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_prompt, tokenize=True
+                )
+            elif isinstance(body.get("prompt"), str):
+                ids = self.tokenizer.encode(
+                    body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True
+                )
+            else:
+                raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+        except TokenizerError as e:
+            raise APIError(400, str(e)) from None
+        return JSONResponse(
+            {"tokens": ids, "count": len(ids), "max_model_len": self.engine.config.max_seq_len}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        self._check_model(body.get("model"))
+        tokens = body.get("tokens")
+        vocab = self.engine.model_config.vocab_size
+        valid = lambda t: isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+        if not isinstance(tokens, list) or not all(valid(t) for t in tokens):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        self._check_serving()
+        req = parse_generation(await self._body(request), kind)
+        self._check_model(req.model)
+        queue: asyncio.Queue = asyncio.Queue()
+        request_ids, prompt_ids = self._open_all(req, queue)
+        if req.stream:
+            stream = self._sse(req, queue, request_ids, prompt_ids)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return await self._complete(request, req, queue, request_ids, prompt_ids)
+
+    async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
+        """Wait for every choice; a client that goes away cancels them."""
+        choices = [{"text": [], "entries": [], "final": None} for _ in range(req.n)]
+        disconnect = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            remaining = req.n
+            while remaining:
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    raise asyncio.CancelledError
+                index, event = get.result()
+                choice = choices[index]
+                choice["text"].append(event.text)
+                choice["entries"].extend(event.logprobs or ())
+                if event.finished:
+                    choice["final"] = event
+                    remaining -= 1
+        finally:
+            disconnect.cancel()
+            for request_id in request_ids:
+                self.bridge.cancel(request_id)  # no-op for finished requests
+        prompt_text = self._prompt_text(req)
+        body_choices, completion_tokens = [], 0
+        for index, choice in enumerate(choices):
+            final = choice["final"]
+            text = "".join(choice["text"])
+            completion_tokens += final.metrics["completion_tokens"] if final.metrics else 0
+            logprobs = None
+            if req.top_logprobs is not None:
+                logprobs = format_logprobs(kind=req.kind, tokenizer=self.tokenizer, entries=choice["entries"])
+            if req.kind == "chat":
+                body_choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs,
+                        "finish_reason": final.finish_reason,
+                    }
+                )
+            else:
+                body_choices.append(
+                    {
+                        "index": index,
+                        "text": (prompt_text if req.echo else "") + text,
+                        "logprobs": logprobs,
+                        "finish_reason": final.finish_reason,
+                    }
+                )
+        body = {
+            "id": new_id(req.kind),
+            "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": now(),
+            "model": self.settings.served_model_name,
+            "choices": body_choices,
+            "usage": usage(len(prompt_ids), completion_tokens),
+            "jinfer": {"timings": [timings(c["final"].metrics) for c in choices]},
+        }
+        return JSONResponse(body)
+
+    def _prompt_text(self, req: GenerationRequest) -> str:
+        if req.kind != "completion":
+            return ""
+        return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
+
+    async def _sse(self, req, queue, request_ids, prompt_ids):
+        """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
+        settings = self.settings
+        response_id, created = new_id(req.kind), now()
+        kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+
+        def chunk(index, text=None, finish_reason=None, entries=None, role=False, extra=None):
+            logprobs = format_logprobs(req.kind, self.tokenizer, entries) if entries else None
+            if req.kind == "chat":
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if role
+                    else ({"content": text} if text is not None else {})
+                )
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            else:
+                choice = {
+                    "index": index,
+                    "text": text or "",
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            body = {
+                "id": response_id,
+                "object": kind,
+                "created": created,
+                "model": settings.served_model_name,
+            }
+            body["choices"] = [choice]
+            if req.include_usage:
+                body["usage"] = None
+            if extra:
+                body.update(extra)
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        completion_tokens = 0
+        remaining = req.n
+        timing_list = [None] * req.n
+        try:
+            for index in range(req.n):
+                if req.kind == "chat":
+                    yield chunk(index, role=True)
+                elif req.echo:
+                    yield chunk(index, text=self._prompt_text(req))
+            buffers = [{"text": [], "entries": []} for _ in range(req.n)]
+            while remaining:
+                events = await self._next_batch(queue)
+                if events is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                for index, event in events:
+                    buffer = buffers[index]
+                    buffer["text"].append(event.text)
+                    buffer["entries"].extend(event.logprobs or ())
+                    if event.finished:
+                        remaining -= 1
+                        completion_tokens += event.metrics["completion_tokens"] if event.metrics else 0
+                        timing_list[index] = timings(event.metrics)
+                        yield chunk(index, "".join(buffer["text"]), event.finish_reason, buffer["entries"])
+                        buffers[index] = {"text": [], "entries": []}
+                for index, buffer in enumerate(buffers):
+                    if "".join(buffer["text"]) or buffer["entries"]:
+                        yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
+                        buffers[index] = {"text": [], "entries": []}
+            if req.include_usage:
+                body = {
+                    "id": response_id,
+                    "object": kind,
+                    "created": created,
+                    "model": settings.served_model_name,
+                    "choices": [],
+                    "usage": usage(len(prompt_ids), completion_tokens),
+                    "jinfer": {"timings": timing_list},
+                }
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # client gone (generator closed) or done: cancel whatever still runs
+            for request_id in request_ids:
+                self.bridge.cancel(request_id)
+
+    async def _next_batch(self, queue: asyncio.Queue):
+        """Events to send in one SSE write, per the buffering policy; None after keep-alive silence."""
+        settings = self.settings
+        try:
+            first = await asyncio.wait_for(queue.get(), settings.keepalive_s)
+        except TimeoutError:
+            return None
+        events = [first]
+        tokens = len(first[1].token_ids)
+        deadline = time.monotonic() + settings.stream_max_delay_ms / 1000
+        while tokens < settings.stream_max_tokens and not first[1].finished:
+            try:
+                if settings.stream_max_delay_ms > 0:
+                    item = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+                else:
+                    item = queue.get_nowait()  # whatever already arrived, without waiting
+            except (TimeoutError, asyncio.QueueEmpty):
+                break
+            events.append(item)
+            tokens += len(item[1].token_ids)
+            if item[1].finished:
+                break
+        return events
+
+    # ----------------------------------------------------------------------- websocket
+    async def websocket(self, ws: WebSocket) -> None:
+        """Messages in: {"type": "completion"|"chat", "id": ..., ...body} and {"type": "cancel", "id": ...}.
+
+        Messages out: {"type": "token", "id", "index", "text", "token_ids"}, {"type": "done", "id",
+        "index", "finish_reason", "usage"} and {"type": "error", "id", "error": {...}}.
+        """
+        await ws.accept()
+        running: dict[Any, tuple[list[str], asyncio.Task]] = {}
+        try:
+            while True:
+                raw = await ws.receive_text()
+                client_id = None
+                try:
+                    message = parse_json_object(raw.encode())
+                    client_id = message.get("id")
+                    if message.get("type") == "cancel":
+                        for request_id in running.get(client_id, ([], None))[0]:
+                            self.bridge.cancel(request_id)
+                        continue
+                    if message.get("type") not in ("completion", "chat"):
+                        raise APIError(400, "'type' must be completion, chat or cancel", param="type")
+                    if client_id in running:
+                        raise APIError(400, f"id {client_id!r} is already running", param="id")
+                    self._check_serving()
+                    body = {k: v for k, v in message.items() if k not in ("type", "id")}
+                    req = parse_generation(body, message["type"])
+                    self._check_model(req.model)
+                    queue: asyncio.Queue = asyncio.Queue()
+                    request_ids, prompt_ids = self._open_all(req, queue)
+                except APIError as e:
+                    await ws.send_json({"type": "error", "id": client_id, "error": e.body()["error"]})
+                    continue
+                task = asyncio.create_task(self._ws_forward(ws, client_id, req, queue, prompt_ids, running))
+                running[client_id] = (request_ids, task)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            for request_ids, task in running.values():
+                for request_id in request_ids:
+                    self.bridge.cancel(request_id)
+                task.cancel()
+
+    async def _ws_forward(self, ws, client_id, req, queue, prompt_ids, running) -> None:
+        remaining = req.n
+        try:
+            while remaining:
+                index, event = await queue.get()
+                if event.token_ids or event.text:
+                    message = {"type": "token", "id": client_id, "index": index, "text": event.text}
+                    message["token_ids"] = event.token_ids
+                    await ws.send_json(message)
+                if event.finished:
+                    remaining -= 1
+                    completion = event.metrics["completion_tokens"] if event.metrics else 0
+                    await ws.send_json(
+                        {
+                            "type": "done",
+                            "id": client_id,
+                            "index": index,
+                            "finish_reason": event.finish_reason,
+                            "error": event.error,
+                            "usage": usage(len(prompt_ids), completion),
+                        }
+                    )
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # the socket closed under us: the handler's cleanup cancels the requests
+        finally:
+            running.pop(client_id, None)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns once the client has disconnected (Starlette delivers http.disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(engine: Engine, settings: ServerSettings | None = None) -> tuple[Starlette, JinferAPI]:
+    settings = settings or ServerSettings()
+    api = JinferAPI(engine, settings)
+
+    async def api_error(request, exc: APIError):
+        return _error_response(exc)
+
+    async def http_error(request, exc: HTTPException):
+        status = exc.status_code
+        message = f"no route for {request.method} {request.url.path}" if status in (404, 405) else exc.detail
+        return _error_response(APIError(status, message, code="not_found" if status == 404 else None))
+
+    async def unexpected(request, exc: Exception):
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await api.startup()
+        yield
+        await api.shutdown()
+
+    routes = [
+        Route("/health", api.health),
+        Route("/ready", api.ready_check),
+        Route("/metrics", api.metrics_endpoint),
+        Route("/v1/models", api.models),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        WebSocketRoute("/v1/ws", api.websocket),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected},
+    )
+    app.add_middleware(AuthMiddleware, keys=settings.api_keys)
+    return app, api
