@@ -327,7 +327,7 @@ class JinferAPI:
             "created": now(),
             "model": self.settings.served_model_name,
             "choices": body_choices,
-            "usage": usage(len(prompt_ids), completion_tokens),
+            "usage": usage(_prompt_tokens(choices[0]["final"], prompt_ids), completion_tokens),
             "jinfer": {"timings": [timings(c["final"].metrics) for c in choices]},
         }
         return JSONResponse(body)
@@ -377,7 +377,7 @@ class JinferAPI:
                 body.update(extra)
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        completion_tokens = 0
+        completion_tokens, prompt_tokens = 0, len(prompt_ids)
         remaining = req.n
         timing_list = [None] * req.n
         try:
@@ -399,6 +399,7 @@ class JinferAPI:
                     if event.finished:
                         remaining -= 1
                         completion_tokens += event.metrics["completion_tokens"] if event.metrics else 0
+                        prompt_tokens = _prompt_tokens(event, prompt_ids)
                         timing_list[index] = timings(event.metrics)
                         yield chunk(index, "".join(buffer["text"]), event.finish_reason, buffer["entries"])
                         buffers[index] = {"text": [], "entries": []}
@@ -413,7 +414,7 @@ class JinferAPI:
                     "created": created,
                     "model": settings.served_model_name,
                     "choices": [],
-                    "usage": usage(len(prompt_ids), completion_tokens),
+                    "usage": usage(prompt_tokens, completion_tokens),
                     "jinfer": {"timings": timing_list},
                 }
                 yield f"data: {json.dumps(body)}\n\n"
@@ -508,13 +509,19 @@ class JinferAPI:
                             "index": index,
                             "finish_reason": event.finish_reason,
                             "error": event.error,
-                            "usage": usage(len(prompt_ids), completion),
+                            "usage": usage(_prompt_tokens(event, prompt_ids), completion),
                         }
                     )
         except (WebSocketDisconnect, RuntimeError):
             pass  # the socket closed under us: the handler's cleanup cancels the requests
         finally:
             running.pop(client_id, None)
+
+
+def _prompt_tokens(final_event, prompt_ids: list[int]) -> int:
+    """Prompt tokens the engine actually used (fewer than sent when the prompt was truncated)."""
+    metrics = final_event.metrics if final_event is not None else None
+    return metrics["prompt_tokens"] if metrics else len(prompt_ids)
 
 
 async def _wait_disconnect(request: Request) -> None:

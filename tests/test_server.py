@@ -1,0 +1,515 @@
+"""The real server on a real port, used with the official `openai` client, httpx and WebSockets."""
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model: str, *extra: str, timeout: float = 300):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jinfer.cli", "serve", "--model", model, "--port", str(port), *extra]
+    log = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited: " + proc.stderr.read())
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become ready")
+            time.sleep(0.3)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+TINY_OPTIONS = [
+    "--api-key", KEY,
+    "--max-slots", "2",
+    "--max-queue", "3",
+    "--max-seq-len", "128",
+    "--prefill-buckets", "16,32",
+    "--decode-steps", "2",
+    "--max-body-bytes", "20000",
+    "--served-model-name", "tiny",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with running_server(tiny_model("llama_gqa_untied")[0], *TINY_OPTIONS) as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", headers=AUTH).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _wait_metric(base, name, value, timeout=30):
+    deadline = time.monotonic() + timeout
+    while _metric(base, name) != value:
+        assert time.monotonic() < deadline, f"{name} stayed at {_metric(base, name)}"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------ openai client
+def test_completions_stream_and_non_stream_agree(client):
+    kwargs = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(
+        client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_and_non_stream_agree(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_n_choices_seed_reproducibility_and_logprobs(client):
+    kwargs = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 1.0, "seed": 42, "n": 3}
+    first = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    second = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1  # seed + index per choice
+    lp = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert "".join(logprobs.tokens) == lp.choices[0].text
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(t.top_logprobs) == 2 for t in content)
+    assert max(t.logprob for t in content[0].top_logprobs) == pytest.approx(content[0].logprob)
+
+
+def test_echo_and_token_id_prompts(client):
+    out = client.completions.create(model="tiny", prompt="Once", max_tokens=3, temperature=0, echo=True)
+    assert out.choices[0].text.startswith("Once")
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_concurrent_streams_match_solo_greedy(client):
+    prompts = [f"Story number {i}:" for i in range(4)]
+    solo = [
+        client.completions.create(
+            model="tiny", prompt=p, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    results = [None] * 4
+
+    def run(i):
+        stream = client.completions.create(
+            model="tiny",
+            prompt=prompts[i],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        results[i] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]  # queue bound: 2 slots + 3 waiting
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[:3] == solo[:3]
+
+
+# ---------------------------------------------------------------------------------- raw SSE
+def _sse_events(base, body):
+    events, comments = [], 0
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        buffer = ""
+        for piece in r.iter_text():
+            buffer += piece
+            while "\n\n" in buffer:
+                frame, buffer = buffer.split("\n\n", 1)
+                if frame.startswith(":"):
+                    comments += 1
+                    continue
+                assert frame.startswith("data: ") and "\n" not in frame, repr(frame)
+                events.append(frame[len("data: ") :])
+        assert buffer == ""
+    return events, comments
+
+
+def test_sse_framing_survives_newlines_and_data_prefixes(server):
+    tokenizer_probe = httpx.post(server + "/tokenize", json={"prompt": "\n"}, headers=AUTH).json()
+    newline = tokenizer_probe["tokens"][-1]
+    body = {
+        "prompt": "data: [DONE]\n\ndata: {}\n",
+        "echo": True,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logit_bias": {str(newline): 100},
+        "stream": True,
+        "ignore_eos": True,
+    }
+    events, _ = _sse_events(server, body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == "data: [DONE]\n\ndata: {}\n" + "\n" * 6
+
+
+# ------------------------------------------------------------------------------ errors
+def _post(base, path, content=None, json_body=None, headers=AUTH):
+    return httpx.post(base + path, content=content, json=json_body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        (b"{not json", 400, "invalid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        (b'{"prompt": "x", "temperature": NaN}', 400, "NaN"),
+        (b'{"prompt": 5}', 400, "'prompt' must be"),
+        (b'{"prompt": "x", "temperature": -1}', 400, "temperature"),
+        (b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
+        (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+        (b'{"prompt": "x", "top_p": 1.5}', 400, "top_p"),
+        (b'{"prompt": "x", "n": 5}', 400, "'n'"),
+        (b'{"prompt": "x", "n": 0}', 400, "'n'"),
+        (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"prompt": "x", "stop": 7}', 400, "stop"),
+        (b'{"prompt": "x", "logit_bias": {"abc": 1}}', 400, "logit_bias"),
+        (b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
+        (b'{"prompt": "x", "model": "gpt-4"}', 404, "does not exist"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, fragment):
+    r = _post(server, "/v1/completions", content=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and fragment in error["message"]
+    ok = _post(server, "/v1/completions", json_body={"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_context_length_exceeded_and_truncation(server):
+    long_prompt = list(range(1, 121))
+    r = _post(server, "/v1/completions", json_body={"prompt": long_prompt, "max_tokens": 20})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (
+        error["code"] == "context_length_exceeded" and "128" in error["message"] and "120" in error["message"]
+    )
+    r = _post(
+        server,
+        "/v1/completions",
+        json_body={"prompt": long_prompt, "max_tokens": 20, "context_policy": "truncate"},
+    )
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 108
+
+
+def test_auth_on_the_raw_path(server):
+    for path in ("/v1/models", "//v1/models", "/v1/../v1/models", "/metrics", "/health/../v1/models"):
+        r = httpx.get(server + path, headers={"Host": "localhost"})
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(server + "/health").status_code == 200  # liveness needs no key
+    models = httpx.get(server + "/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_unknown_route_and_big_body(server):
+    r = httpx.get(server + "/v2/nothing", headers=AUTH)
+    assert r.status_code == 404 and "error" in r.json()
+    r = _post(server, "/v1/completions", content=b'{"prompt": "' + b"a" * 30000 + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_tokenize_and_detokenize(server):
+    ids = _post(server, "/tokenize", json_body={"prompt": "Hello world"}).json()["tokens"]
+    assert _post(server, "/detokenize", json_body={"tokens": ids}).json()["prompt"] == "Hello world"
+    chat = _post(server, "/tokenize", json_body={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] == len(chat["tokens"]) > 3
+    assert _post(server, "/detokenize", json_body={"tokens": [-1]}).status_code == 400
+
+
+# --------------------------------------------------------------- overload and disconnects
+def test_queue_overload_gives_429_and_accepted_requests_complete(server):
+    async def one(http, i):
+        body = {"prompt": f"p{i}", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        return await http.post(server + "/v1/completions", json=body, headers=AUTH, timeout=120)
+
+    async def burst():
+        async with httpx.AsyncClient() as http:
+            return await asyncio.gather(*(one(http, i) for i in range(12)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["Retry-After"] and r.json()["error"]["code"] == "queue_full"
+        else:
+            assert (
+                r.json()["choices"][0]["finish_reason"] == "length"
+                and r.json()["usage"]["completion_tokens"] == 24
+            )
+    assert _metric(server, "jinfer_requests_rejected_total") >= codes.count(429)
+
+
+def test_disconnect_frees_the_slot_and_neighbours_do_not_notice(server, client):
+    expected = client.completions.create(
+        model="tiny", prompt="steady", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    result = {}
+
+    def neighbour():
+        stream = client.completions.create(
+            model="tiny",
+            prompt="steady",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        result["text"] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    thread = threading.Thread(target=neighbour)
+    thread.start()
+    body = {"prompt": "long", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        data = 0
+        for line in r.iter_lines():
+            data += line.startswith("data:")
+            if data >= 3:
+                break  # leave mid-stream: closing the connection is the disconnect
+    thread.join()
+    assert result["text"] == expected.choices[0].text
+    _wait_metric(server, "jinfer_slots_in_use", 0.0)
+    assert (
+        _metric(
+            server,
+            "jinfer_requests_finished_total",
+        )
+        >= 1
+    )
+    text = httpx.get(server + "/metrics", headers=AUTH).text
+    assert 'jinfer_requests_finished_total{finish_reason="abort"}' in text
+
+
+def test_many_cancel_cycles_leave_no_trace(server):
+    import websockets.sync.client as ws_client
+
+    with ws_client.connect(server.replace("http", "ws") + "/v1/ws", additional_headers=AUTH) as ws:
+        for i in range(1000):
+            ws.send(
+                json.dumps(
+                    {"type": "completion", "id": i, "prompt": "x", "max_tokens": 50, "ignore_eos": True}
+                )
+            )
+            ws.send(json.dumps({"type": "cancel", "id": i}))
+        done = 0
+        while done < 1000:
+            message = json.loads(ws.recv(timeout=60))
+            if message["type"] == "error":
+                assert message["error"]["code"] == "queue_full"  # a burst may overrun the queue
+                done += 1
+            elif message["type"] == "done":
+                assert message["finish_reason"] in ("abort", "length")
+                done += 1
+    for _ in range(20):  # and HTTP streams dropped after their first token
+        with httpx.stream(
+            "POST",
+            server + "/v1/completions",
+            json={"prompt": "x", "stream": True, "max_tokens": 50},
+            headers=AUTH,
+        ) as r:
+            next(line for line in r.iter_lines() if line.startswith("data:"))
+    _wait_metric(server, "jinfer_slots_in_use", 0.0)
+    assert _metric(server, "jinfer_requests_waiting") == 0.0
+    assert _metric(server, "jinfer_requests_running") == 0.0
+
+
+def test_websocket_two_way_streaming(server):
+    import websockets.sync.client as ws_client
+
+    with ws_client.connect(server.replace("http", "ws") + "/v1/ws", additional_headers=AUTH) as ws:
+        ws.send(
+            json.dumps(
+                {
+                    "type": "chat",
+                    "id": "a",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 5,
+                    "temperature": 0,
+                }
+            )
+        )
+        ws.send(
+            json.dumps(
+                {"type": "completion", "id": "b", "prompt": "x", "max_tokens": 100, "ignore_eos": True}
+            )
+        )
+        ws.send(json.dumps({"type": "completion", "id": "c", "prompt": "x", "temperature": -3}))
+        finished, tokens = {}, {"a": 0, "b": 0}
+        while len(finished) < 3:
+            message = json.loads(ws.recv(timeout=60))
+            if message["type"] == "token":
+                tokens[message["id"]] += len(message["token_ids"])
+                if message["id"] == "b" and tokens["b"] == 3:
+                    ws.send(json.dumps({"type": "cancel", "id": "b"}))
+            elif message["type"] == "done":
+                finished[message["id"]] = message["finish_reason"]
+            elif message["type"] == "error":
+                finished[message["id"]] = message["error"]["message"]
+    assert finished["a"] in ("stop", "length") and tokens["a"] >= 1
+    assert finished["b"] == "abort" and 3 <= tokens["b"] < 100
+    assert "temperature" in finished["c"]
+    from websockets.exceptions import InvalidStatus
+
+    with pytest.raises(InvalidStatus):  # the key is required for the WebSocket too
+        ws_client.connect(server.replace("http", "ws") + "/v1/ws")
+
+
+# ------------------------------------------------------------------------------- lifecycle
+def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model, tmp_path):
+    # A long window so one request outlasts the 3 s drain while a short one finishes inside it
+    # (the tiny model with its position limit raised: default RoPE does not depend on it).
+    model = tmp_path / "long-window"
+    shutil.copytree(tiny_model("llama_gqa_untied")[0], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    options = [
+        "--max-slots",
+        "2",
+        "--max-seq-len",
+        "4096",
+        "--prefill-buckets",
+        "16,32",
+        "--drain-timeout",
+        "3",
+    ]
+    options += ["--stream-max-tokens", "4"]  # and the buffering policy: up to 4 tokens per event
+    with running_server(str(model), *options) as (base, proc):
+        short = {"prompt": "a", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        endless = {"prompt": "b", "max_tokens": 4000, "stream": True, "ignore_eos": True, "logprobs": 0}
+        results = {"sizes": []}
+
+        def stream_endless():
+            reasons = []
+            with httpx.stream("POST", base + "/v1/completions", json=endless, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        reasons.append(choice["finish_reason"])
+                        results["sizes"].append(len((choice["logprobs"] or {"tokens": []})["tokens"]))
+            results["endless"] = reasons[-1]
+
+        def finishing():
+            body = {"prompt": "c", "max_tokens": 100, "ignore_eos": True}
+            results["finishing"] = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+
+        endless_thread, finishing_thread = (
+            threading.Thread(target=stream_endless),
+            threading.Thread(target=finishing),
+        )
+        endless_thread.start()
+        time.sleep(1.0)
+        finishing_thread.start()
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(base + "/ready").status_code == 503
+        refused = httpx.post(base + "/v1/completions", json=short)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        endless_thread.join(timeout=60)
+        finishing_thread.join(timeout=60)
+        assert results["finishing"]["choices"][0]["finish_reason"] == "length"
+        assert results["endless"] == "abort"
+        assert max(results["sizes"]) > 1 and all(n <= 4 for n in results["sizes"])
+        assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_smollm2_answers_through_the_openai_client(smollm2_path):
+    options = ["--served-model-name", "smollm2", "--max-slots", "2", "--max-seq-len", "512"]
+    with running_server(smollm2_path, *options, "--prefill-buckets", "64,128") as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=30, temperature=0
+        )
+        assert "Paris" in answer.choices[0].message.content
+        assert answer.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=30, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == answer.choices[0].message.content

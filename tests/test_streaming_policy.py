@@ -1,0 +1,78 @@
+"""The SSE writer's buffering and keep-alive policy, fed by hand-timed events (no engine)."""
+
+import asyncio
+import json
+
+import pytest
+from tiny import train_tokenizer
+
+from jinfer import SamplingParams, load_tokenizer
+from jinfer.scheduler import RequestOutput
+from serve.app import JinferAPI, ServerSettings
+from serve.protocol import GenerationRequest
+
+
+class _Bridge:
+    def __init__(self):
+        self.cancelled = []
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tok"))
+    train_tokenizer(directory)
+    return load_tokenizer(directory)
+
+
+def _api(tokenizer, **settings):
+    api = JinferAPI.__new__(JinferAPI)  # the SSE writer needs only these parts
+    api.settings, api.tokenizer, api.bridge = ServerSettings(**settings), tokenizer, _Bridge()
+    return api
+
+
+def _request():
+    sampling = SamplingParams(max_tokens=8)
+    return GenerationRequest("completion", None, "x", None, sampling, 1, True, False, False, None, None, None)
+
+
+async def _collect(api, schedule):
+    """Feed (delay_s, text, finished) events and return the SSE frames written."""
+    queue = asyncio.Queue()
+
+    async def feed():
+        for delay, text, finished in schedule:
+            await asyncio.sleep(delay)
+            event = RequestOutput(
+                "r1", text, [1], finished=finished, finish_reason="length" if finished else None
+            )
+            event.metrics = {"completion_tokens": 3} if finished else None
+            queue.put_nowait((0, event))
+
+    feeder = asyncio.create_task(feed())
+    frames = [frame async for frame in api._sse(_request(), queue, ["r1"], [1])]
+    await feeder
+    return frames
+
+
+def _texts(frames):
+    return [json.loads(f[6:])["choices"][0]["text"] for f in frames if f.startswith("data: {")]
+
+
+def test_each_token_is_its_own_event_by_default_and_silence_sends_keepalives(tokenizer):
+    api = _api(tokenizer, keepalive_s=0.05)
+    frames = asyncio.run(_collect(api, [(0.0, "a", False), (0.2, "b", False), (0.0, "c", True)]))
+    assert frames.count(": keep-alive\n\n") >= 2  # 0.2 s of silence, one comment per 0.05 s
+    assert _texts(frames) == ["a", "b", "c"]
+    assert frames[-1] == "data: [DONE]\n\n"
+    assert all(f.endswith("\n\n") and f.count("\n") == 2 for f in frames)
+    assert api.bridge.cancelled == ["r1"]  # finished requests are cancelled as a no-op on the way out
+
+
+def test_coalescing_by_token_count_and_delay(tokenizer):
+    api = _api(tokenizer, stream_max_tokens=3, stream_max_delay_ms=100, keepalive_s=10)
+    schedule = [(0.01, t, False) for t in "abcde"] + [(0.3, "f", False), (0.0, "g", True)]
+    frames = asyncio.run(_collect(api, schedule))
+    assert _texts(frames) == ["abc", "de", "fg"]  # "g" came within 100 ms of "f"
