@@ -1,11 +1,13 @@
-# Two commands from a fresh clone (see README): `make generate` and `make test`.
+# Two commands from a fresh clone (see README): `make serve` and `make test`.
 # Each creates .venv and installs what it needs the first time.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup generate test test-fast lint
+PORT ?= 8000
+
+.PHONY: setup serve generate test test-fast lint
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,6 +18,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/jinfer serve --config configs/smollm2.toml --port $(PORT)
 
 generate: setup
 	$(VENV)/bin/jinfer generate --chat --prompt "$(PROMPT)"
