@@ -24,14 +24,6 @@ class KVCache:
     k: tuple[jax.Array, ...]  # per layer [B, S, K, H]
     v: tuple[jax.Array, ...]  # per layer [B, S, K, H]
 
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
-
 
 def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, int, int, int]:
     return (batch, max_len, cfg.num_kv_heads, cfg.head_dim)

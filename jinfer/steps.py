@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.models import llama
-from jinfer.sampling import SamplingArrays, apply_penalties, sample
+from jinfer.sampling import SamplingArrays, apply_penalties, sample, token_logprobs
 from jinfer.sharding import DATA, MODEL
 
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
@@ -92,10 +92,8 @@ def _choose(logits, prompt_mask, counts, bias, banned, sampling, positions, with
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     if not with_logprobs:
         return token, StepOutput(tokens=token, bad=bad)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-    top_values, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
-    return token, StepOutput(token, bad, chosen, top_ids.astype(jnp.int32), top_values)
+    chosen, top_values, top_ids = token_logprobs(logits, token, TOP_LOGPROBS)
+    return token, StepOutput(token, bad, chosen, top_ids, top_values)
 
 
 def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, cfg, vocab, with_logprobs):

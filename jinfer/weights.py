@@ -258,7 +258,7 @@ def _check_vocab(cfg: ModelConfig, tokenizer: Tokenizer | None, source: str) -> 
 
 # ------------------------------------------------------------------------------------- GGUF
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-# GGUF keeps HF's [out, in] orientation, so a GGUF layer tensor reuses the HF name's transform.
+# GGUF layer tensor suffix -> Hugging Face suffix (GGUF keeps HF's [out, in] orientation).
 _GGUF_TO_HF = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -332,27 +332,25 @@ def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
     rope_freqs = _dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
     cfg = ModelConfig.from_gguf(meta, set(tensors), rope_freqs)
     permuted = meta["general.architecture"] in ("llama", "mistral")
-    arrays: dict[str, np.ndarray] = {}
-    for name, tensor in tensors.items():
-        if name == "rope_freqs.weight":
-            continue
-        w = _dequantize(tensor)
-        if name == "token_embd.weight":
-            arrays["embed"] = w
-        elif name == "output_norm.weight":
-            arrays["final_norm"] = w
-        elif name == "output.weight":
-            arrays["lm_head"] = w.T
-        elif (m := _GGUF_LAYER.fullmatch(name)) and m.group(2) in _GGUF_TO_HF:
-            suffix = m.group(2)
-            if permuted and suffix in ("attn_q.weight", "attn_q.bias"):
-                w = _unpermute_qk(w, cfg.num_heads)
-            elif permuted and suffix in ("attn_k.weight", "attn_k.bias"):
-                w = _unpermute_qk(w, cfg.num_kv_heads)
-            ours, transform = _hf_layer_tensor(_GGUF_TO_HF[suffix])
-            arrays[f"layers.{m.group(1)}.{ours}"] = transform(w, cfg)
-        else:
-            arrays[name] = w
+    top_level = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    top_level["output.weight"] = "lm_head.weight"
+
+    def as_hf_tensors():
+        """GGUF tensors under their Hugging Face names (same [out, in] layout), Q/K un-permuted."""
+        for name, tensor in tensors.items():
+            if name == "rope_freqs.weight":
+                continue  # already folded into the config
+            w = _dequantize(tensor)
+            if (m := _GGUF_LAYER.fullmatch(name)) and m.group(2) in _GGUF_TO_HF:
+                suffix = m.group(2)
+                if permuted and suffix.startswith("attn_q."):
+                    w = _unpermute_qk(w, cfg.num_heads)
+                elif permuted and suffix.startswith("attn_k."):
+                    w = _unpermute_qk(w, cfg.num_kv_heads)
+                name = f"model.layers.{m.group(1)}.{_GGUF_TO_HF[suffix]}"
+            yield top_level.get(name, name), w
+
+    arrays = _hf_named_arrays(cfg, as_hf_tensors())
     params = assemble_params(cfg, arrays, dtype, source=path)
     from jinfer.tokenizer import tokenizer_from_gguf
 

@@ -35,3 +35,21 @@ def test_prefill_then_decode_equals_full_forward(family, tiny_model):
     cached = np.stack(step_logits, axis=1)  # logits after positions prompt_len-1 .. total-1
     reference = full[:, prompt_len - 1 :]
     assert np.abs(cached - reference).max() <= 1e-4 * np.ptp(reference)
+
+
+def test_random_init_follows_the_declaration(tiny_model):
+    from jinfer.models.llama import init_params, is_spec, param_specs
+
+    cfg = load_hf(tiny_model("qwen2_bias_tied")[0]).config
+    params = init_params(cfg, jax.random.key(0))
+    specs, _ = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
+    leaves, _ = jax.tree.flatten(params)
+    assert [leaf.shape for leaf in leaves] == [spec.shape for spec in specs]
+    for spec, leaf in zip(specs, leaves, strict=True):
+        expected = {"ones": 1.0, "zeros": 0.0}.get(spec.init)
+        if expected is not None:
+            assert np.all(np.asarray(leaf) == expected)
+        else:
+            assert 0.015 < float(jnp.std(leaf)) < 0.025  # normal * 0.02
+    hidden, _ = llama.forward(params, np.zeros((1, 4), np.int32), np.arange(4)[None], cfg)
+    assert np.isfinite(np.asarray(llama.logits(params, hidden))).all()
