@@ -48,7 +48,7 @@ async def _collect(api, schedule):
             event = RequestOutput(
                 "r1", text, [1], finished=finished, finish_reason="length" if finished else None
             )
-            event.metrics = {"completion_tokens": 3} if finished else None
+            event.metrics = {"prompt_tokens": 1, "completion_tokens": 3} if finished else None
             queue.put_nowait((0, event))
 
     feeder = asyncio.create_task(feed())
