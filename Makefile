@@ -7,7 +7,7 @@ PROMPT ?= What is the capital of France?
 
 PORT ?= 8000
 
-.PHONY: setup serve generate test test-fast lint
+.PHONY: setup serve generate test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -34,3 +34,7 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) scripts/bench_decode.py --out results
