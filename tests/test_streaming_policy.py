@@ -72,7 +72,7 @@ def test_each_token_is_its_own_event_by_default_and_silence_sends_keepalives(tok
 
 
 def test_coalescing_by_token_count_and_delay(tokenizer):
-    api = _api(tokenizer, stream_max_tokens=3, stream_max_delay_ms=100, keepalive_s=10)
-    schedule = [(0.01, t, False) for t in "abcde"] + [(0.3, "f", False), (0.0, "g", True)]
+    api = _api(tokenizer, stream_max_tokens=3, stream_max_delay_ms=300, keepalive_s=10)
+    schedule = [(0.01, t, False) for t in "abcde"] + [(1.0, "f", False), (0.0, "g", True)]
     frames = asyncio.run(_collect(api, schedule))
-    assert _texts(frames) == ["abc", "de", "fg"]  # "g" came within 100 ms of "f"
+    assert _texts(frames) == ["abc", "de", "fg"]  # "g" came within 300 ms of "f"
