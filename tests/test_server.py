@@ -304,12 +304,12 @@ def test_tokenize_and_detokenize(server):
 # --------------------------------------------------------------- overload and disconnects
 def test_queue_overload_gives_429_and_accepted_requests_complete(server):
     async def one(http, i):
-        body = {"prompt": f"p{i}", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": f"p{i}", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
         return await http.post(server + "/v1/completions", json=body, headers=AUTH, timeout=120)
 
     async def burst():
         async with httpx.AsyncClient() as http:
-            return await asyncio.gather(*(one(http, i) for i in range(12)))
+            return await asyncio.gather(*(one(http, i) for i in range(20)))  # 2 slots + 3 queued
 
     responses = asyncio.run(burst())
     codes = [r.status_code for r in responses]
@@ -320,7 +320,7 @@ def test_queue_overload_gives_429_and_accepted_requests_complete(server):
         else:
             assert (
                 r.json()["choices"][0]["finish_reason"] == "length"
-                and r.json()["usage"]["completion_tokens"] == 24
+                and r.json()["usage"]["completion_tokens"] == 60
             )
     assert _metric(server, "jinfer_requests_rejected_total") >= codes.count(429)
 
