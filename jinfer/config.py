@@ -349,6 +349,15 @@ class EngineConfig:
         return self.prefill_buckets[-1]
 
     @property
+    def attention_buckets(self) -> tuple[int, ...]:
+        """Decode attends over the first `bucket` cache positions: the smallest that holds every slot."""
+        sizes, size = [], 64
+        while size < self.cache_len:
+            sizes.append(size)
+            size *= 2
+        return (*sizes, self.cache_len)
+
+    @property
     def cache_len(self) -> int:
         """Cache positions per slot: max_seq_len rounded up so a padded last chunk always fits."""
         return -(-self.max_seq_len // self.chunk_len) * self.chunk_len

@@ -121,9 +121,10 @@ class Engine:
                     self.params, self.cache, self.state, chunk
                 )
             active = np.zeros(self.config.max_slots, bool)
-            self.cache, self.state, out = self.steps.decode[with_logprobs](
-                self.params, self.cache, self.state, active
-            )
+            for attn_len in self.config.attention_buckets:
+                self.cache, self.state, out = self.steps.decode[with_logprobs, attn_len](
+                    self.params, self.cache, self.state, active
+                )
         self.cache = self.steps.clear_slot(self.cache, np.int32(0))
         jax.block_until_ready((out, self.cache))
         return time.perf_counter() - start
@@ -285,9 +286,18 @@ class Engine:
                 dispatched.append(([request], out))
         if plan.decodes:
             active = np.array([r is not None for r in plan.decode_owners])
-            with_logprobs = any(r is not None and r.sampling.logprobs is not None for r in plan.decode_owners)
+            running = [r for r in plan.decode_owners if r is not None]
+            with_logprobs = any(r.sampling.logprobs is not None for r in running)
+            # The device may be one dispatch ahead of what the host has read, and this dispatch
+            # adds decode_steps more positions: attend over a bucket that surely holds them all.
+            furthest = (
+                max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * self.config.decode_steps + 1
+            )
+            attn_len = next(
+                b for b in self.config.attention_buckets if b >= min(furthest, self.config.cache_len)
+            )
             try:
-                self.cache, self.state, out = self.steps.decode[with_logprobs](
+                self.cache, self.state, out = self.steps.decode[with_logprobs, attn_len](
                     self.params, self.cache, self.state, active
                 )
             except Exception as e:

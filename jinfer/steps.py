@@ -138,13 +138,15 @@ def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, c
     return cache, state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _decode(params, cache: KVCache, state: SlotState, active, *, cfg, vocab, steps, with_logprobs):
+def _decode(params, cache: KVCache, state: SlotState, active, *, cfg, vocab, steps, attn_len, with_logprobs):
     rows = jnp.arange(state.tokens.shape[0])
     advance = active.astype(jnp.int32)
 
     def step(carry, _):
         cache, state = carry
-        hidden, cache = llama.forward(params, state.tokens[:, None], state.positions[:, None], cfg, cache)
+        hidden, cache = llama.forward(
+            params, state.tokens[:, None], state.positions[:, None], cfg, cache, attn_len=attn_len
+        )
         logits = llama.logits(params, hidden[:, 0])[:, :vocab]  # [S, V]
         banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
         next_positions = state.positions + 1
@@ -190,7 +192,7 @@ class Steps:
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
     prefill: dict[bool, callable]  # with_logprobs -> jitted prefill
-    decode: dict[bool, callable]  # with_logprobs -> jitted decode
+    decode: dict[tuple[bool, int], callable]  # (with_logprobs, attention bucket) -> jitted decode
     clear_slot: callable  # (cache, slot) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
@@ -267,8 +269,10 @@ def build_steps(
             donate_argnums=(1, 2),
         )
 
-    def jit_decode(with_logprobs):
-        fn = partial(_decode, steps=engine.decode_steps, with_logprobs=with_logprobs, **common)
+    def jit_decode(with_logprobs, attn_len):
+        fn = partial(
+            _decode, steps=engine.decode_steps, attn_len=attn_len, with_logprobs=with_logprobs, **common
+        )
         return jax.jit(
             fn,
             in_shardings=(param_shardings, *carried, by_slot),
@@ -282,7 +286,7 @@ def build_steps(
         vocab_size=vocab_size,
         mesh=mesh,
         prefill={flag: jit_prefill(flag) for flag in (False, True)},
-        decode={flag: jit_decode(flag) for flag in (False, True)},
+        decode={(flag, n): jit_decode(flag, n) for flag in (False, True) for n in engine.attention_buckets},
         clear_slot=jax.jit(
             _clear_slot,
             in_shardings=(cache_shardings, replicated),

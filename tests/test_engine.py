@@ -201,20 +201,23 @@ def test_nan_logits_end_only_that_request(tiny_model):
 
 def test_device_failure_fails_touched_requests_and_engine_keeps_serving(llm, monkeypatch):
     engine = llm.engine
-    real = engine.steps.decode[False]
     calls = {"n": 0}
 
-    def failing_once(*args):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("simulated device fault")
-        return real(*args)
+    def failing_on_second_call(real):
+        def call(*args):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("simulated device fault")
+            return real(*args)
 
-    monkeypatch.setitem(engine.steps.decode, False, failing_once)
+        return call
+
+    for key, real in list(engine.steps.decode.items()):
+        monkeypatch.setitem(engine.steps.decode, key, failing_on_second_call(real))
     first = llm.generate([_prompt(1, 8), _prompt(2, 8)], GREEDY)
     assert [r.finish_reason for r in first] == ["error", "error"]
     assert "simulated device fault" in first[0].error
-    monkeypatch.setitem(engine.steps.decode, False, real)
+    monkeypatch.undo()
     (after,) = llm.generate([_prompt(7, 21)], GREEDY)
     assert after.finish_reason == "length" and after.token_ids == _greedy_reference(llm, _prompt(7, 21), 16)
 

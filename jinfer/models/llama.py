@@ -236,6 +236,7 @@ def _attention_block(
     positions: jax.Array,
     cache_kv: tuple[jax.Array, jax.Array] | None,
     rows: jax.Array | None,
+    attn_len: int | None,
     window: int,
     cfg: ModelConfig,
 ):
@@ -254,7 +255,9 @@ def _attention_block(
     else:
         cache_k, cache_v = write_kv(cache_kv, k, v, positions, rows)
         keys, values = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
-        cache_positions = jnp.arange(cache_k.shape[1], dtype=positions.dtype)
+        if attn_len is not None:  # the caller knows no position at or past attn_len is in use
+            keys, values = keys[:, :attn_len], values[:, :attn_len]
+        cache_positions = jnp.arange(keys.shape[1], dtype=positions.dtype)
         k_pos = jnp.broadcast_to(cache_positions, (x.shape[0], cache_positions.shape[0]))
         out = attention(q, keys, values, positions, k_pos, window)
         new_kv = (cache_k, cache_v)
@@ -274,13 +277,16 @@ def forward(
     cfg: ModelConfig,
     cache: KVCache | None = None,
     rows: jax.Array | None = None,
+    attn_len: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder over tokens [B, T] at positions [B, T].
 
     Without a cache the tokens attend to each other causally (full-sequence scoring). With a cache,
     their K/V are written at `positions` (contiguous per row) and they attend to everything cached
     at positions <= their own. Batch entry b uses cache row b, or cache row rows[b] when `rows` [B]
-    is given (prefill into chosen slots). Returns final-normed hidden states [B, T, D] and the cache.
+    is given (prefill into chosen slots). With `attn_len` (static) attention reads only the first
+    attn_len cache positions: decode cost then follows the filled part of the cache, not its size.
+    Returns final-normed hidden states [B, T, D] and the cache.
     """
     positions = jnp.asarray(positions, jnp.int32)
     x = params.embed[tokens]  # [B, T, D]
@@ -290,7 +296,7 @@ def forward(
         layer_cache = None if cache is None else (cache.k[i], cache.v[i])
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         window = cfg.sliding_windows[i]
-        attn, kv = _attention_block(layer, h, cos, sin, positions, layer_cache, rows, window, cfg)
+        attn, kv = _attention_block(layer, h, cos, sin, positions, layer_cache, rows, attn_len, window, cfg)
         x = x + attn
         x = x + _mlp_block(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
         new_layers.append(kv)
