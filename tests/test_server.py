@@ -446,12 +446,12 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model, tmp_path):
     model = tmp_path / "long-window"
     shutil.copytree(tiny_model("llama_gqa_untied")[0], model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
     options = [
         "--max-slots",
         "2",
         "--max-seq-len",
-        "4096",
+        "32768",
         "--prefill-buckets",
         "16,32",
         "--drain-timeout",
@@ -460,7 +460,7 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model, tmp_path):
     options += ["--stream-max-tokens", "4"]  # and the buffering policy: up to 4 tokens per event
     with running_server(str(model), *options) as (base, proc):
         short = {"prompt": "a", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-        endless = {"prompt": "b", "max_tokens": 4000, "stream": True, "ignore_eos": True, "logprobs": 0}
+        endless = {"prompt": "b", "max_tokens": 30000, "stream": True, "ignore_eos": True, "logprobs": 0}
         results = {"sizes": []}
 
         def stream_endless():
