@@ -6,7 +6,7 @@ Measured side by side in one run (the machines are shared and noisy, so only rat
     products) and float32 matmul FLOP/s;
   * jinfer decode tokens/s at several slot counts, with MBU = bytes read per step / step time /
     bandwidth, counting both the bytes a step must read (weights + the K/V of filled positions)
-    and what it does read today (weights + the whole preallocated cache);
+    and what it does read (weights + the K/V of its attention bucket);
   * Hugging Face transformers `generate()` on the same weights (CPU torch, float32, greedy, fixed
     output length) at batch 1 and 8, runs alternating with jinfer's;
   * llama.cpp through llama-cpp-python, when it is installed, on the same GGUF;
@@ -89,15 +89,18 @@ def jinfer_decode(llm: jinfer.LLM, slots: int, tokens: int) -> dict[str, float]:
 
 
 def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) -> tuple[float, float]:
-    """(bytes a step must read, bytes it reads today), averaged over the decode."""
+    """(bytes a step must read, bytes it reads), at the mid-point of the decode.
+
+    A step must read the weights and the K/V of the filled positions; it reads the K/V of the
+    attention bucket the engine picks (filled positions + margin, rounded up to a power of two).
+    """
     weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(llm.params))
-    cfg = llm.engine.steps.model
+    cfg, engine = llm.engine.steps.model, llm.engine.config
     per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
     filled = prompt_len + tokens / 2
-    return (
-        weights + slots * filled * per_position,
-        weights + slots * llm.engine.config.cache_len * per_position,
-    )
+    reach = min(filled + 2 * engine.decode_steps + 1, engine.cache_len)
+    bucket = next(b for b in engine.attention_buckets if b >= reach)
+    return weights + slots * filled * per_position, weights + slots * bucket * per_position
 
 
 def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
