@@ -118,7 +118,7 @@ def run_jsonl(
                         llm.tokenizer, entry["messages"], sampling.max_tokens, llm.max_seq_len, policy
                     )
                 else:
-                    prompt_ids = llm._prompt_ids(entry["prompt"])
+                    prompt_ids = llm.encode_prompt(entry["prompt"])
             except (ValueError, TypeError, KeyError) as e:
                 errors.append(_error_record(item_id, f"{type(e).__name__}: {e}"))
                 continue

@@ -54,6 +54,15 @@ def available_memory_bytes(device) -> int:
     raise RuntimeError("cannot tell how much memory is available")
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """ValueError for an empty prompt or token ids outside the vocabulary."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty (it encodes to no tokens)")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
 class Engine:
     """Continuous batching over `max_slots` fixed slots of one preallocated KV cache."""
 
@@ -156,11 +165,7 @@ class Engine:
     ) -> Request:
         """Validate a request and fit it to the context window (ValueError with a clear message)."""
         vocab = self.model_config.vocab_size
-        if not prompt_ids:
-            raise ValueError("prompt is empty (it encodes to no tokens)")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_prompt_ids(prompt_ids, vocab)
         if sampling.logit_bias and len(sampling.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias has {len(sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
         named = (*(sampling.logit_bias or {}), *(sampling.stop_token_ids or ()))

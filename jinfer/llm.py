@@ -20,7 +20,7 @@ import numpy as np
 
 from jinfer.config import EngineConfig
 from jinfer.context import fit_conversation
-from jinfer.engine import Engine
+from jinfer.engine import Engine, check_prompt_ids
 from jinfer.models import llama
 from jinfer.sampling import SamplingParams
 from jinfer.scheduler import RequestOutput
@@ -112,7 +112,7 @@ class LLM:
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not a single string")
         items = [
-            (self._prompt_ids(p), s)
+            (self.encode_prompt(p), s)
             for p, s in zip(prompts, self._per_prompt(sampling, len(prompts)), strict=True)
         ]
         results: list[Completion | None] = [None] * len(items)
@@ -191,7 +191,8 @@ class LLM:
         """log p(x_i | x_<i) for i >= 1 of each sequence, float32, length len - 1."""
         out = []
         for seq in sequences:
-            ids = self._prompt_ids(seq)
+            ids = self.encode_prompt(seq)
+            check_prompt_ids(ids, self.config.vocab_size)
             if len(ids) > self.max_seq_len:
                 raise ValueError(f"sequence of {len(ids)} tokens exceeds max_seq_len={self.max_seq_len}")
             tokens = np.zeros((1, _bucket(len(ids))), np.int32)
@@ -210,14 +211,9 @@ class LLM:
             raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
         return list(sampling)
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty (it encodes to no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt, or the given ids as ints (validated where they are used)."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
 
 def _score(params, tokens, *, cfg, vocab):
