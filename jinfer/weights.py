@@ -1,7 +1,7 @@
 """Checkpoint loading: Hugging Face safetensors, GGUF and jinfer's own orbax checkpoints.
 
 Each source yields numpy arrays under jinfer's parameter paths ("layers.3.wq", "embed", ...),
-already transposed/reshaped into our layout. `assemble_params` checks every array against the
+already reshaped into our layout. `assemble_params` checks every array against the
 declaration in `models.llama.param_specs` (shape mismatches and missing or unexpected tensors are
 clear errors) and moves it to the device in the requested dtype, one array at a time.
 
@@ -171,22 +171,23 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def _hf_layer_tensor(suffix: str) -> tuple[str, Callable[[np.ndarray, ModelConfig], np.ndarray]] | None:
+    # Our layout is Hugging Face's ([out, in]) with the head dimensions split out: reshapes only.
     d = lambda c: c.hidden_size
     table = {
         "input_layernorm.weight": ("attn_norm", lambda w, c: w),
         "post_attention_layernorm.weight": ("mlp_norm", lambda w, c: w),
-        "self_attn.q_proj.weight": ("wq", lambda w, c: w.T.reshape(d(c), c.num_heads, c.head_dim)),
-        "self_attn.k_proj.weight": ("wk", lambda w, c: w.T.reshape(d(c), c.num_kv_heads, c.head_dim)),
-        "self_attn.v_proj.weight": ("wv", lambda w, c: w.T.reshape(d(c), c.num_kv_heads, c.head_dim)),
-        "self_attn.o_proj.weight": ("wo", lambda w, c: w.T.reshape(c.num_heads, c.head_dim, d(c))),
+        "self_attn.q_proj.weight": ("wq", lambda w, c: w.reshape(c.num_heads, c.head_dim, d(c))),
+        "self_attn.k_proj.weight": ("wk", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, d(c))),
+        "self_attn.v_proj.weight": ("wv", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, d(c))),
+        "self_attn.o_proj.weight": ("wo", lambda w, c: w.reshape(d(c), c.num_heads, c.head_dim)),
         "self_attn.q_proj.bias": ("bq", lambda w, c: w.reshape(c.num_heads, c.head_dim)),
         "self_attn.k_proj.bias": ("bk", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
         "self_attn.v_proj.bias": ("bv", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
         "self_attn.q_norm.weight": ("q_norm", lambda w, c: w),
         "self_attn.k_norm.weight": ("k_norm", lambda w, c: w),
-        "mlp.gate_proj.weight": ("w_gate", lambda w, c: w.T),
-        "mlp.up_proj.weight": ("w_up", lambda w, c: w.T),
-        "mlp.down_proj.weight": ("w_down", lambda w, c: w.T),
+        "mlp.gate_proj.weight": ("w_gate", lambda w, c: w),
+        "mlp.up_proj.weight": ("w_up", lambda w, c: w),
+        "mlp.down_proj.weight": ("w_down", lambda w, c: w),
     }
     return table.get(suffix)
 
@@ -203,7 +204,7 @@ def _hf_named_arrays(cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]]
         elif name == "model.norm.weight":
             out["final_norm"] = array
         elif name == "lm_head.weight":
-            out["lm_head"] = array.T
+            out["lm_head"] = array
         elif (m := _HF_LAYER.fullmatch(name)) and (entry := _hf_layer_tensor(m.group(2))):
             ours, transform = entry
             out[f"layers.{m.group(1)}.{ours}"] = transform(array, cfg)

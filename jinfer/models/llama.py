@@ -7,6 +7,14 @@ scaling), never by code paths chosen from strings at run time.
 Data flow:  tokens [B, T] -> embed -> num_layers x (RMSNorm, GQA attention with RoPE, RMSNorm,
 SwiGLU MLP) -> final RMSNorm -> hidden [B, T, D];  `logits(params, hidden)` -> [B, T, V].
 
+Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode.py):
+  * Weights are stored as Hugging Face stores them, output features first ([out..., in]), so each
+    projection is one plain 2-D matrix product W[out, in] @ x[in, N] whose reshapes are free
+    bitcasts. (A [heads, head_dim, d] weight contracted over two dims made XLA re-lay-out the whole
+    matrix on every step, which cost more than the product itself.)
+  * Inside the decoder, activations are feature-major columns x[D, N] (N = B * T tokens):
+    XLA:CPU multiplies W @ x ~1.6x faster than x @ W^T when N is a handful of decode slots.
+
 `param_specs(cfg)` is the single declaration of every weight (shape + logical axes). Random init,
 abstract shapes, shardings and loader shape checks are all derived from it (DESIGN rule 2).
 
@@ -41,14 +49,14 @@ class ParamSpec(NamedTuple):
 @struct.dataclass
 class LayerParams:
     attn_norm: jax.Array  # [d]
-    wq: jax.Array  # [d, n, h]
-    wk: jax.Array  # [d, k, h]
-    wv: jax.Array  # [d, k, h]
-    wo: jax.Array  # [n, h, d]
+    wq: jax.Array  # [n, h, d]
+    wk: jax.Array  # [k, h, d]
+    wv: jax.Array  # [k, h, d]
+    wo: jax.Array  # [d, n, h]
     mlp_norm: jax.Array  # [d]
-    w_gate: jax.Array  # [d, f]
-    w_up: jax.Array  # [d, f]
-    w_down: jax.Array  # [f, d]
+    w_gate: jax.Array  # [f, d]
+    w_up: jax.Array  # [f, d]
+    w_down: jax.Array  # [d, f]
     bq: jax.Array | None = None  # [n, h]  (qwen2)
     bk: jax.Array | None = None  # [k, h]
     bv: jax.Array | None = None  # [k, h]
@@ -61,7 +69,7 @@ class Params:
     embed: jax.Array  # [v, d]
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [d]
-    lm_head: jax.Array | None = None  # [d, v]; None when tied to `embed`
+    lm_head: jax.Array | None = None  # [v, d]; None when tied to `embed`
 
 
 def param_specs(cfg: ModelConfig) -> Params:
@@ -73,14 +81,14 @@ def param_specs(cfg: ModelConfig) -> Params:
     def layer() -> LayerParams:
         return LayerParams(
             attn_norm=norm(),
-            wq=ParamSpec((d, n, h), ("embed", "heads", "head_dim"), "normal"),
-            wk=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim"), "normal"),
-            wv=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim"), "normal"),
-            wo=ParamSpec((n, h, d), ("heads", "head_dim", "embed"), "normal"),
+            wq=ParamSpec((n, h, d), ("heads", "head_dim", "embed"), "normal"),
+            wk=ParamSpec((k, h, d), ("kv_heads", "head_dim", "embed"), "normal"),
+            wv=ParamSpec((k, h, d), ("kv_heads", "head_dim", "embed"), "normal"),
+            wo=ParamSpec((d, n, h), ("embed", "heads", "head_dim"), "normal"),
             mlp_norm=norm(),
-            w_gate=ParamSpec((d, f), ("embed", "mlp"), "normal"),
-            w_up=ParamSpec((d, f), ("embed", "mlp"), "normal"),
-            w_down=ParamSpec((f, d), ("mlp", "embed"), "normal"),
+            w_gate=ParamSpec((f, d), ("mlp", "embed"), "normal"),
+            w_up=ParamSpec((f, d), ("mlp", "embed"), "normal"),
+            w_down=ParamSpec((d, f), ("embed", "mlp"), "normal"),
             bq=ParamSpec((n, h), ("heads", "head_dim"), "zeros") if cfg.qkv_bias else None,
             bk=ParamSpec((k, h), ("kv_heads", "head_dim"), "zeros") if cfg.qkv_bias else None,
             bv=ParamSpec((k, h), ("kv_heads", "head_dim"), "zeros") if cfg.qkv_bias else None,
@@ -92,7 +100,7 @@ def param_specs(cfg: ModelConfig) -> Params:
         embed=ParamSpec((v, d), ("vocab", "embed"), "normal"),
         layers=tuple(layer() for _ in range(cfg.num_layers)),
         final_norm=norm(),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab"), "normal"),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), ("vocab", "embed"), "normal"),
     )
 
 
@@ -182,27 +190,35 @@ def _yarn(rope: RopeConfig, dim: int, pos_freqs: np.ndarray) -> tuple[np.ndarray
 
 
 def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, head_dim] (float32) for the given integer positions [B, T]."""
+    """cos, sin [head_dim, N] (float32) for integer positions [B, T], columns in token order."""
     inv_freq, scale = rope_inv_freq(cfg.rope, cfg.head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, h/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, h]
+    angles = jnp.asarray(inv_freq)[:, None] * positions.reshape(1, -1).astype(jnp.float32)  # [h/2, N]
+    angles = jnp.concatenate([angles, angles], axis=0)  # [h, N]
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face layout) on x [B, T, heads, h]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    out = xf * cos[:, :, None, :] + rotated.astype(jnp.float32) * sin[:, :, None, :]
+    """Rotate-half RoPE (the Hugging Face layout) on columns x [..., h, N]."""
+    half = x.shape[-2] // 2
+    rotated = jnp.concatenate([-x[..., half:, :], x[..., :half, :]], axis=-2)
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
     return out.astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------------- blocks
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.Array:
+    """RMSNorm of x over `axis` (features; axis 0 for decoder columns [D, N]), scaled by weight."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return weight.reshape(shape) * xf.astype(x.dtype)
+
+
+def project(w: jax.Array, x: jax.Array) -> jax.Array:
+    """w [out..., in] applied to columns x [in, N] -> [out..., N], as one 2-D matrix product."""
+    out = jnp.dot(w.reshape(-1, w.shape[-1]), x, preferred_element_type=jnp.float32).astype(x.dtype)
+    return out.reshape(*w.shape[:-1], x.shape[-1])
 
 
 def attention(
@@ -210,22 +226,19 @@ def attention(
 ) -> jax.Array:
     """Causal grouped-query attention.
 
-    q [B, T, N, H]; k, v [B, S, K, H]; q_pos [B, T] and k_pos [B, S] are absolute positions
-    (k_pos < 0 marks an empty key slot). A key is visible when k_pos <= q_pos, and also
-    q_pos - k_pos < window when the layer has a sliding window. Returns [B, T, N, H].
+    q [K, G, H, B, T] (query heads grouped by kv head); k, v [B, S, K, H]; q_pos [B, T] and
+    k_pos [B, S] are absolute positions (k_pos < 0 marks an empty key slot). A key is visible when
+    k_pos <= q_pos, and also q_pos - k_pos < window when the layer has a sliding window.
+    Returns [K, G, H, B, T].
     """
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(h))
+    scores = jnp.einsum("kghbt,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(q.shape[2]))
     visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, T, S]
     if window:
         visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(b, t, n, h)
+    return jnp.einsum("bkgts,bskh->kghbt", probs, v)
 
 
 def _attention_block(
@@ -240,15 +253,19 @@ def _attention_block(
     window: int,
     cfg: ModelConfig,
 ):
-    q = jnp.einsum("btd,dnh->btnh", x, p.wq)
-    k = jnp.einsum("btd,dkh->btkh", x, p.wk)
-    v = jnp.einsum("btd,dkh->btkh", x, p.wv)
+    """x [D, N] columns -> attention output [D, N] and the layer's updated cache."""
+    b, t = positions.shape
+    q, k, v = project(p.wq, x), project(p.wk, x), project(p.wv, x)  # [heads, h, N]
     if cfg.qkv_bias:
-        q, k, v = q + p.bq, k + p.bk, v + p.bv
+        q, k, v = q + p.bq[..., None], k + p.bk[..., None], v + p.bv[..., None]
     if cfg.qk_norm:
-        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, axis=-2)
+        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, axis=-2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    kv_heads, h = k.shape[0], k.shape[1]
+    q = q.reshape(kv_heads, cfg.num_groups, h, b, t)
+    k = k.reshape(kv_heads, h, b, t).transpose(2, 3, 0, 1)  # [B, T, K, H]: the cache's layout
+    v = v.reshape(kv_heads, h, b, t).transpose(2, 3, 0, 1)
     if cache_kv is None:
         out = attention(q, k, v, positions, positions, window)
         new_kv = None
@@ -258,16 +275,15 @@ def _attention_block(
         if attn_len is not None:  # the caller knows no position at or past attn_len is in use
             keys, values = keys[:, :attn_len], values[:, :attn_len]
         cache_positions = jnp.arange(keys.shape[1], dtype=positions.dtype)
-        k_pos = jnp.broadcast_to(cache_positions, (x.shape[0], cache_positions.shape[0]))
+        k_pos = jnp.broadcast_to(cache_positions, (b, cache_positions.shape[0]))
         out = attention(q, keys, values, positions, k_pos, window)
         new_kv = (cache_k, cache_v)
-    return jnp.einsum("btnh,nhd->btd", out, p.wo), new_kv
+    heads_out = out.reshape(-1, b * t)  # [n * h, N], heads in Hugging Face order
+    return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), new_kv
 
 
 def _mlp_block(p: LayerParams, x: jax.Array) -> jax.Array:
-    gate = jnp.einsum("btd,df->btf", x, p.w_gate)
-    up = jnp.einsum("btd,df->btf", x, p.w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p.w_down)
+    return project(p.w_down, jax.nn.silu(project(p.w_gate, x)) * project(p.w_up, x))
 
 
 def forward(
@@ -288,8 +304,9 @@ def forward(
     attn_len cache positions: decode cost then follows the filled part of the cache, not its size.
     Returns final-normed hidden states [B, T, D] and the cache.
     """
+    b, t = tokens.shape
     positions = jnp.asarray(positions, jnp.int32)
-    x = params.embed[tokens]  # [B, T, D]
+    x = params.embed[tokens.reshape(-1)].T  # [D, N] columns
     cos, sin = rope_cos_sin(positions, cfg)
     new_layers = []
     for i, layer in enumerate(params.layers):
@@ -300,14 +317,19 @@ def forward(
         x = x + attn
         x = x + _mlp_block(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
         new_layers.append(kv)
-    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps).T.reshape(b, t, -1)
     if cache is None:
         return hidden, None
     return hidden, KVCache(k=tuple(kv[0] for kv in new_layers), v=tuple(kv[1] for kv in new_layers))
 
 
 def logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """Project hidden states [..., D] to float32 vocabulary logits [..., V]."""
-    if params.lm_head is None:
-        return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    """Project hidden states [..., D] to float32 vocabulary logits [..., V].
+
+    Computed as W[V, D] @ columns (see the module notes); XLA cancels the transposes against the
+    ones at the end of `forward`.
+    """
+    weight = params.embed if params.lm_head is None else params.lm_head
+    columns = hidden.reshape(-1, hidden.shape[-1]).T
+    out = jnp.dot(weight, columns, preferred_element_type=jnp.float32)  # [V, N]
+    return out.T.reshape(*hidden.shape[:-1], weight.shape[0])
