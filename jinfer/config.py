@@ -358,6 +358,22 @@ class EngineConfig:
         return (*sizes, self.cache_len)
 
     @property
+    def slot_buckets(self) -> tuple[int, ...]:
+        """Decode runs over the first `bucket` slots: the smallest that holds every busy slot.
+
+        Powers of four below max_slots, then max_slots (few compiled variants, and a single user
+        does not pay for eight). With slots split over a data axis, always all of them: a prefix
+        of a sharded axis would not be evenly spread over the devices.
+        """
+        if self.mesh_data > 1:
+            return (self.max_slots,)
+        sizes, size = [], 1
+        while size < self.max_slots:
+            sizes.append(size)
+            size *= 4
+        return (*sizes, self.max_slots)
+
+    @property
     def cache_len(self) -> int:
         """Cache positions per slot: max_seq_len rounded up so a padded last chunk always fits."""
         return -(-self.max_seq_len // self.chunk_len) * self.chunk_len

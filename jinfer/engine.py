@@ -119,21 +119,16 @@ class Engine:
         )
 
     def warmup(self) -> float:
-        """Compile every prefill bucket and both decode variants; return the seconds it took."""
+        """Compile every prefill bucket and every decode bucket pair; return the seconds it took."""
         start = time.perf_counter()
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
-        for with_logprobs in (False, True):
-            for size in self.config.prefill_buckets:
-                chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab)
-                self.cache, self.state, out = self.steps.prefill[with_logprobs](
-                    self.params, self.cache, self.state, chunk
-                )
-            active = np.zeros(self.config.max_slots, bool)
-            for attn_len in self.config.attention_buckets:
-                self.cache, self.state, out = self.steps.decode[with_logprobs, attn_len](
-                    self.params, self.cache, self.state, active
-                )
+        for size in self.config.prefill_buckets:
+            chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab, False)
+            self.cache, self.state, out = self.steps.prefill(self.params, self.cache, self.state, chunk)
+        for (rows, _), decode in self.steps.decode.items():
+            active = np.zeros(rows, bool)
+            self.cache, self.state, out = decode(self.params, self.cache, self.state, active, np.False_)
         self.cache = self.steps.clear_slot(self.cache, np.int32(0))
         jax.block_until_ready((out, self.cache))
         return time.perf_counter() - start
@@ -279,20 +274,22 @@ class Engine:
                 sorted(request.stop_ids),
                 SamplingArrays.from_params([sp], [request.seed]),
                 vocab,
+                sp.logprobs is not None,
             )
             try:
-                self.cache, self.state, out = self.steps.prefill[sp.logprobs is not None](
-                    self.params, self.cache, self.state, chunk
-                )
+                self.cache, self.state, out = self.steps.prefill(self.params, self.cache, self.state, chunk)
             except Exception as e:  # a device failure must not kill the engine
                 self._recover([request], e)
                 continue
             if work.last:
                 dispatched.append(([request], out))
         if plan.decodes:
-            active = np.array([r is not None for r in plan.decode_owners])
-            running = [r for r in plan.decode_owners if r is not None]
-            with_logprobs = any(r.sampling.logprobs is not None for r in running)
+            busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
+            rows = next(b for b in self.config.slot_buckets if b > busy[-1])
+            owners = plan.decode_owners[:rows]
+            active = np.array([r is not None for r in owners])
+            running = [r for r in owners if r is not None]
+            want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in running))
             # The device may be one dispatch ahead of what the host has read, and this dispatch
             # adds decode_steps more positions: attend over a bucket that surely holds them all.
             furthest = (
@@ -302,13 +299,13 @@ class Engine:
                 b for b in self.config.attention_buckets if b >= min(furthest, self.config.cache_len)
             )
             try:
-                self.cache, self.state, out = self.steps.decode[with_logprobs, attn_len](
-                    self.params, self.cache, self.state, active
+                self.cache, self.state, out = self.steps.decode[rows, attn_len](
+                    self.params, self.cache, self.state, active, want_logprobs
                 )
             except Exception as e:
-                self._recover([r for r in plan.decode_owners if r is not None], e)
+                self._recover(running, e)
             else:
-                dispatched.append((plan.decode_owners, out))
+                dispatched.append((owners, out))
         return dispatched
 
     def _commit(self, owners: list[Request | None], out) -> None:
@@ -318,7 +315,7 @@ class Engine:
             self._recover([r for r in owners if r is not None], e)
             return
         logprobs = None
-        if host.logprobs is not None:
+        if any(r is not None and r.sampling.logprobs is not None for r in owners):
             logprobs = {"logprobs": host.logprobs, "top_ids": host.top_ids, "top_logprobs": host.top_logprobs}
         with self._lock:
             self.scheduler.commit(owners, np.asarray(host.tokens), np.asarray(host.bad), logprobs)

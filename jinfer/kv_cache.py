@@ -51,20 +51,17 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Write new k, v [B, T, K, H] into one layer's cache at positions [B, T].
 
-    With `rows=None` the batch is the whole cache (decode: row b is cache row b). Otherwise rows [B]
-    names the cache row of each batch entry (prefill into slots). Positions within a row are
-    contiguous, so each row is one in-place dynamic-update-slice starting at positions[b, 0]. The
-    caller guarantees positions[b, 0] + T <= S: XLA would otherwise clamp the start and shift the write.
+    With `rows=None` batch entry b is cache row b (decode over the first B slots): one scatter of
+    B x T entries, in place. Otherwise rows [B] names the cache row of each batch entry (prefill
+    into slots), and since positions within a row are contiguous each row is one in-place
+    dynamic-update-slice starting at positions[b, 0]. The caller guarantees positions[b, 0] + T <= S:
+    XLA would otherwise clamp the start and shift the write.
     """
     cache_k, cache_v = layer_kv
-    starts = positions[:, 0]
     if rows is None:
-
-        def write_row(buffer, new, start):
-            return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), (start, 0, 0))
-
-        write = jax.vmap(write_row)
-        return write(cache_k, k, starts), write(cache_v, v, starts)
+        index = (jnp.arange(k.shape[0])[:, None], positions)
+        return cache_k.at[index].set(k.astype(cache_k.dtype)), cache_v.at[index].set(v.astype(cache_v.dtype))
+    starts = positions[:, 0]
     for b in range(k.shape[0]):  # a handful of prompts at most: unrolled
         index = (rows[b], starts[b], 0, 0)
         cache_k = jax.lax.dynamic_update_slice(cache_k, k[b : b + 1].astype(cache_k.dtype), index)

@@ -2,16 +2,22 @@
 
 Two verbs touch the preallocated cache, both with the cache and slot state donated:
 
-  prefill(params, cache, state, chunk) -> cache, state, out
+  prefill[bucket](params, cache, state, chunk) -> cache, state, out
       One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
       slot's rows of the shared cache, at positions start.. (so a long prompt is just several
       chunks, each attending to the ones before it). The last real position's logits give the
       request's first token, sampled on device; the slot's state row is (re)initialised from the
       request (sampling knobs, logit bias, stop ids, prompt-token mask for penalties).
-  decode(params, cache, state, active) -> cache, state, out
-      `steps` decode steps for all slots at once (`lax.scan`): each step feeds every slot's last
-      token, samples the next one per slot and keeps it on device for the following step.
-      Inactive slots compute too (shapes are fixed) but do not advance.
+  decode[rows, attn_len](params, cache, state, active, want_logprobs) -> cache, state, out
+      `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
+      slot's last token, samples the next one per slot and keeps it on device for the following
+      step. Inactive slots among them compute too (shapes are fixed) but do not advance.
+
+One compiled decode per (rows, attn_len) bucket pair: `rows` (a slot-count bucket covering the
+highest busy slot; the scheduler fills the lowest free slot first) keeps a lightly loaded engine
+from paying for every slot, and `attn_len` keeps attention to the filled part of the cache.
+Log-probs are computed under `lax.cond` when some request asks for them, so they cost nothing
+otherwise and need no compiled variant of their own.
 
 Fusing "insert" into prefill (writing K/V directly into the slot rows instead of returning them
 for a separate copy) saves a full copy of the prompt's K/V per request and makes chunked prefill
@@ -70,6 +76,7 @@ class PrefillChunk:
     bias_ids: jax.Array  # [MAX_LOGIT_BIAS] int32, padded with V (dropped)
     bias_values: jax.Array  # [MAX_LOGIT_BIAS] float32
     stop_ids: jax.Array  # [MAX_STOP_IDS] int32, padded with V (dropped)
+    want_logprobs: jax.Array  # [] bool
     sampling: SamplingArrays  # [1]
 
 
@@ -79,24 +86,31 @@ class StepOutput:
 
     tokens: jax.Array  # int32
     bad: jax.Array  # bool: the logits were not all finite; the token must not be used
-    logprobs: jax.Array | None = None  # float32 log p of the chosen token
-    top_ids: jax.Array | None = None  # [..., TOP_LOGPROBS] int32
-    top_logprobs: jax.Array | None = None  # [..., TOP_LOGPROBS] float32
+    logprobs: jax.Array  # float32 log p of the chosen token (zeros unless asked for)
+    top_ids: jax.Array  # [..., TOP_LOGPROBS] int32
+    top_logprobs: jax.Array  # [..., TOP_LOGPROBS] float32
 
 
-def _choose(logits, prompt_mask, counts, bias, banned, sampling, positions, with_logprobs):
+@jax.named_scope("sampling")
+def _choose(logits, prompt_mask, counts, bias, banned, sampling, positions, want_logprobs):
     """Process raw logits [B, V] and pick one token per row; log-probs are of the raw distribution."""
     processed = apply_penalties(logits, prompt_mask, counts, sampling) + bias
     processed = jnp.where(banned, -jnp.inf, processed)
     token = sample(processed, sampling, positions)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
-    if not with_logprobs:
-        return token, StepOutput(tokens=token, bad=bad)
-    chosen, top_values, top_ids = token_logprobs(logits, token, TOP_LOGPROBS)
+    rows = logits.shape[0]
+
+    def skip(logits, token):
+        top = jnp.zeros((rows, TOP_LOGPROBS))
+        return jnp.zeros((rows,)), top, top.astype(jnp.int32)
+
+    chosen, top_values, top_ids = jax.lax.cond(
+        want_logprobs, partial(token_logprobs, top_n=TOP_LOGPROBS), skip, logits, token
+    )
     return token, StepOutput(token, bad, chosen, top_ids, top_values)
 
 
-def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, cfg, vocab, with_logprobs):
+def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, cfg, vocab):
     length, slot = chunk.length, chunk.slot
     t = chunk.tokens.shape[1]
     positions = chunk.start + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -121,7 +135,7 @@ def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, c
         banned,
         chunk.sampling,
         position[None],
-        with_logprobs,
+        chunk.want_logprobs,
     )
     set_row = lambda array, value: array.at[slot].set(value)
     state = SlotState(
@@ -138,8 +152,10 @@ def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, c
     return cache, state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _decode(params, cache: KVCache, state: SlotState, active, *, cfg, vocab, steps, attn_len, with_logprobs):
-    rows = jnp.arange(state.tokens.shape[0])
+def _decode(params, cache: KVCache, state: SlotState, active, want_logprobs, *, cfg, vocab, steps, attn_len):
+    rows = active.shape[0]  # slots 0..rows-1 take part; the state of the others is left alone
+    all_state = state
+    state = jax.tree.map(lambda a: a[:rows], state)
     advance = active.astype(jnp.int32)
 
     def step(carry, _):
@@ -158,17 +174,20 @@ def _decode(params, cache: KVCache, state: SlotState, active, *, cfg, vocab, ste
             banned,
             state.sampling,
             next_positions,
-            with_logprobs,
+            want_logprobs,
         )
         state = state.replace(
             tokens=jnp.where(active, token, state.tokens),
             positions=state.positions + advance,
             generated=state.generated + advance,
-            counts=state.counts.at[rows, token].add(advance),
+            counts=state.counts.at[jnp.arange(rows), token].add(advance),
         )
         return (cache, state), out
 
     (cache, state), outs = jax.lax.scan(step, (cache, state), None, length=steps)
+    state = jax.tree.map(
+        lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0), all_state, state
+    )
     return cache, state, outs
 
 
@@ -191,15 +210,15 @@ class Steps:
     engine: EngineConfig
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
-    prefill: dict[bool, callable]  # with_logprobs -> jitted prefill
-    decode: dict[tuple[bool, int], callable]  # (with_logprobs, attention bucket) -> jitted decode
+    prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
+    decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     clear_slot: callable  # (cache, slot) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        verbs = (*self.prefill.values(), *self.decode.values(), self.clear_slot)
+        verbs = (self.prefill, *dict.fromkeys(self.decode.values()), self.clear_slot)
         return sum(f._cache_size() for f in verbs)
 
     def new_cache(self, dtype) -> KVCache:
@@ -260,22 +279,11 @@ def build_steps(
     common = {"cfg": model, "vocab": vocab_size}
     carried = (cache_shardings, state_shardings)
 
-    def jit_prefill(with_logprobs):
-        fn = partial(_prefill, with_logprobs=with_logprobs, **common)
+    def jit_decode(attn_len):
+        fn = partial(_decode, steps=engine.decode_steps, attn_len=attn_len, **common)
         return jax.jit(
             fn,
-            in_shardings=(param_shardings, *carried, replicated),
-            out_shardings=(*carried, replicated),
-            donate_argnums=(1, 2),
-        )
-
-    def jit_decode(with_logprobs, attn_len):
-        fn = partial(
-            _decode, steps=engine.decode_steps, attn_len=attn_len, with_logprobs=with_logprobs, **common
-        )
-        return jax.jit(
-            fn,
-            in_shardings=(param_shardings, *carried, by_slot),
+            in_shardings=(param_shardings, *carried, by_slot, replicated),
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         )
@@ -285,8 +293,19 @@ def build_steps(
         engine=engine,
         vocab_size=vocab_size,
         mesh=mesh,
-        prefill={flag: jit_prefill(flag) for flag in (False, True)},
-        decode={(flag, n): jit_decode(flag, n) for flag in (False, True) for n in engine.attention_buckets},
+        prefill=jax.jit(
+            partial(_prefill, **common),
+            in_shardings=(param_shardings, *carried, replicated),
+            out_shardings=(*carried, replicated),
+            donate_argnums=(1, 2),
+        ),
+        # One jitted function per attention bucket serves every slot bucket (the active mask's
+        # length); the dict names each compiled pair so the engine and warm-up agree on them.
+        decode={
+            (rows, n): decode_for_len
+            for n, decode_for_len in ((n, jit_decode(n)) for n in engine.attention_buckets)
+            for rows in engine.slot_buckets
+        },
         clear_slot=jax.jit(
             _clear_slot,
             in_shardings=(cache_shardings, replicated),
@@ -308,6 +327,7 @@ def prefill_chunk_arrays(
     stop_ids,
     sampling,
     vocab: int,
+    want_logprobs: bool,
 ) -> PrefillChunk:
     """Host-side construction of a PrefillChunk (padding the sparse lists to fixed sizes)."""
     bias_ids = np.full(MAX_LOGIT_BIAS, vocab, np.int32)
@@ -326,5 +346,6 @@ def prefill_chunk_arrays(
         bias_ids=bias_ids,
         bias_values=bias_values,
         stop_ids=stops,
+        want_logprobs=np.bool_(want_logprobs),
         sampling=sampling,
     )

@@ -1,86 +1,63 @@
-"""Decode benchmark: jinfer against this machine's memory-bandwidth ceiling and against peers.
+"""Decode and prefill benchmark: jinfer against this machine's roofline and against peers.
 
 Measured side by side in one run (the machines are shared and noisy, so only ratios mean much):
 
-  * the ceiling: memory bandwidth (best of repeated 1 GiB float32 reductions and matrix-vector
-    products) and float32 matmul FLOP/s;
-  * jinfer decode tokens/s at several slot counts, with MBU = bytes read per step / step time /
-    bandwidth, counting both the bytes a step must read (weights + the K/V of filled positions)
-    and what it does read (weights + the K/V of its attention bucket);
-  * Hugging Face transformers `generate()` on the same weights (CPU torch, float32, greedy, fixed
-    output length) at batch 1 and 8, runs alternating with jinfer's;
-  * llama.cpp through llama-cpp-python, when it is installed, on the same GGUF;
-  * the compile count during the measured phases (must be zero).
+  * the ceiling: memory bandwidth and float32 matmul FLOP/s (see benchlib.measure_ceiling);
+  * SmolLM2-135M on float32 weights: the embedded GGUF dequantized, written as a Hugging Face
+    directory (read by transformers) and, when llama-cpp-python is installed, as an F32 GGUF by
+    llama.cpp's own converter (read by jinfer and llama.cpp; otherwise jinfer reads the embedded
+    GGUF, the same numbers);
+  * jinfer decode tokens/s at 1..32 slots with MBU = bytes read per step / step time / bandwidth
+    (bytes a step must read: weights + K/V of filled positions; bytes it reads: weights + K/V of
+    the attention bucket it picks), and prefill MFU on a 256-token prompt;
+  * transformers `generate()` (CPU torch, float32, greedy, fixed output length) at batch 1 and 8,
+    and llama.cpp at batch 1 on the F32 GGUF and on the embedded Q4_1 GGUF, runs alternating with
+    jinfer's; time to load each;
+  * the same for a random-weight Llama-shaped model of ~0.9 GB (jinfer and transformers);
+  * the compile count during every measured phase (must be zero).
 
-    python scripts/bench_decode.py [--slots 1,2,4,8] [--tokens 64] [--out results/]
+    python scripts/bench_decode.py [--slots 1,2,4,8,16,32] [--tokens 64] [--out results]
 
-Writes results/bench_decode.json, a markdown table (also printed) and bench_decode.png.
+Writes results/bench_decode.{json,md,png}. llama.cpp: `pip install llama-cpp-python==0.3.36`
+(compiles llama.cpp, ~10 minutes on 2 cores); its converter is fetched from PyPI's source archive.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
+from benchlib import (
+    PROMPT,
+    decode_weight_bytes,
+    export_hf_from_gguf,
+    llama_cpp_available,
+    llama_cpp_f32_gguf,
+    markdown_table,
+    measure_ceiling,
+    progress,
+    pyplot,
+    random_llama_dir,
+    write_results,
+)
 
 import jinfer
 from jinfer.weights import default_model_path
 
-PROMPT = "Once upon a time, there was a little"
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def measure_bandwidth(repeats: int = 5) -> dict[str, float]:
-    """Best-of-N GB/s over 1 GiB float32, and float32 matmul GFLOP/s."""
-    n = 2**28  # 1 GiB of float32
-    x = jnp.ones((n,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    side = 2**14
-    matrix = x.reshape(side, side)
-    vector = jnp.ones((side,), jnp.float32)
-    matvec = jax.jit(jnp.dot)
-    a = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
-    best = {"reduction": 0.0, "matvec": 0.0, "matmul": 0.0}
-    for fn, args, key in (
-        (total, (x,), "reduction"),
-        (matvec, (matrix, vector), "matvec"),
-        (matmul, (a, a), "matmul"),
-    ):
-        jax.block_until_ready(fn(*args))
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            seconds = time.perf_counter() - start
-            rate = (2 * 2048**3 / seconds / 1e9) if key == "matmul" else (n * 4 / seconds / 1e9)
-            best[key] = max(best[key], rate)
-    del x, matrix
-    return {
-        "bandwidth_gb_s": max(best["reduction"], best["matvec"]),
-        "reduction_gb_s": best["reduction"],
-        "matvec_gb_s": best["matvec"],
-        "matmul_gflop_s": best["matmul"],
-    }
+PREFILL_TOKENS = 256
 
 
 def jinfer_decode(llm: jinfer.LLM, slots: int, tokens: int) -> dict[str, float]:
-    """Decode tokens/s with every slot busy: from the first token to the last, all requests."""
+    """Decode tokens/s with every slot busy, from the first token to the last of all requests."""
     sampling = jinfer.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     before = llm.engine.compile_count()
     start = time.perf_counter()
     results = llm.generate([PROMPT] * slots, sampling)
     wall = time.perf_counter() - start
-    first = min(r.metrics["ttft_s"] for r in results)
+    decode_time = wall - min(r.metrics["ttft_s"] for r in results)  # all start together
     generated = sum(len(r.token_ids) for r in results)
-    decode_time = wall - first  # all requests start together: TTFT marks the end of prefill
     return {
         "tokens_per_s": (generated - slots) / decode_time,
         "step_s": decode_time / (tokens - 1),
@@ -88,19 +65,42 @@ def jinfer_decode(llm: jinfer.LLM, slots: int, tokens: int) -> dict[str, float]:
     }
 
 
-def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) -> tuple[float, float]:
-    """(bytes a step must read, bytes it reads), at the mid-point of the decode.
+def jinfer_prefill_s(llm: jinfer.LLM, ids: list[int]) -> tuple[float, int]:
+    """Best-of-3 time to first token for one prompt (prefill + the first sample), and compiles."""
+    sampling = jinfer.SamplingParams(max_tokens=1, temperature=0)
+    before = llm.engine.compile_count()
+    best = min(llm.generate([ids], sampling)[0].metrics["ttft_s"] for _ in range(3))
+    return best, llm.engine.compile_count() - before
 
-    A step must read the weights and the K/V of the filled positions; it reads the K/V of the
-    attention bucket the engine picks (filled positions + margin, rounded up to a power of two).
-    """
-    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(llm.params))
-    cfg, engine = llm.engine.steps.model, llm.engine.config
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
+
+def model_bytes(llm: jinfer.LLM) -> tuple[int, int]:
+    """(weight bytes a decode step reads, K/V bytes per cached position and slot)."""
+    params = llm.engine.params
+    cfg = llm.engine.steps.model
+    weights = decode_weight_bytes(params)
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * params.final_norm.dtype.itemsize
+    return weights, per_position
+
+
+def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) -> tuple[float, float]:
+    """(bytes a step must read, bytes it reads) at the mid-point of the decode."""
+    weights, per_position = model_bytes(llm)
+    engine = llm.engine.config
     filled = prompt_len + tokens / 2
     reach = min(filled + 2 * engine.decode_steps + 1, engine.cache_len)
     bucket = next(b for b in engine.attention_buckets if b >= reach)
     return weights + slots * filled * per_position, weights + slots * bucket * per_position
+
+
+def prefill_flops(llm: jinfer.LLM, tokens: int) -> float:
+    """Useful FLOPs of a prefill: weight products for every token, causal attention, one logits row."""
+    cfg = llm.engine.steps.model
+    weights, _ = model_bytes(llm)
+    params = llm.engine.params
+    vocab_matrix = (params.lm_head if params.lm_head is not None else params.embed).size
+    layer_matrices = weights // params.final_norm.dtype.itemsize - vocab_matrix
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # QK + PV, causal
+    return 2 * layer_matrices * tokens + attention + 2 * vocab_matrix
 
 
 def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
@@ -118,127 +118,210 @@ def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
     return batch * (tokens - 1) / (total - prefill)
 
 
-def llama_cpp_decode(path: str, tokens: int) -> float | None:
-    try:
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python: batch-1 greedy decode tokens/s on one GGUF."""
+
+    def __init__(self, path: str):
         from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=path, n_ctx=512, n_threads=os.cpu_count(), verbose=False)
-    llm(PROMPT, max_tokens=4)
+
+        start = time.perf_counter()
+        self.model = Llama(model_path=path, n_ctx=512, n_threads=os.cpu_count(), verbose=False)
+        self.load_s = time.perf_counter() - start
+        self.model(PROMPT, max_tokens=4)
+
+    def decode(self, tokens: int) -> float:
+        self.model(PROMPT, max_tokens=1, temperature=0)
+        start = time.perf_counter()
+        self.model(PROMPT, max_tokens=1, temperature=0)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        out = self.model(PROMPT, max_tokens=tokens, temperature=0, logit_bias={2: -1e9})  # no early eos
+        return (out["usage"]["completion_tokens"] - 1) / (time.perf_counter() - start - prefill)
+
+
+def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceiling) -> dict:
+    """One model: jinfer at each slot count (alternating with the peers), prefill MFU, load times."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    progress(f"{label}: loading transformers")
     start = time.perf_counter()
-    out = llm(PROMPT, max_tokens=tokens, temperature=0)
-    return out["usage"]["completion_tokens"] / (time.perf_counter() - start)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf_load_s = time.perf_counter() - start
+    bandwidth = ceiling["bandwidth_gb_s"] * 1e9
+    rows, loads, prefill = [], {"transformers_s": hf_load_s}, None
+    peer_cpp = {name: 0.0 for name in peers_cpp}
+    for slots in slot_counts:
+        progress(f"{label}: jinfer with {slots} slots (load, build, warm up)")
+        start = time.perf_counter()
+        llm = jinfer.LLM(
+            jinfer_path,
+            max_slots=slots,
+            max_seq_len=512,
+            prefill_buckets=(16, 32, PREFILL_TOKENS),
+            decode_steps=4,
+        )
+        loads.setdefault("jinfer_s", time.perf_counter() - start)
+        llm.engine.warmup()
+        input_ids = torch.tensor([llm.tokenizer.encode(PROMPT)])
+        best, peer = {"tokens_per_s": 0.0}, 0.0
+        for round_ in range(args.rounds):
+            progress(f"  round {round_ + 1}: jinfer, then peers")
+            run = jinfer_decode(llm, slots, args.tokens)
+            best = max(best, run, key=lambda r: r["tokens_per_s"])
+            if slots in (1, 8):
+                peer = max(peer, transformers_decode(hf, input_ids, slots, args.tokens))
+            if slots == 1:
+                for name, cpp in peers_cpp.items():
+                    peer_cpp[name] = max(peer_cpp[name], cpp.decode(args.tokens))
+        needed, read = bytes_per_step(llm, slots, input_ids.shape[1], args.tokens)
+        row = {
+            "slots": slots,
+            "jinfer_tokens_per_s": best["tokens_per_s"],
+            "step_ms": best["step_s"] * 1e3,
+            "ceiling_tokens_per_s": slots * bandwidth / needed,
+            "mbu_needed_bytes": needed / best["step_s"] / bandwidth,
+            "mbu_bytes_read": read / best["step_s"] / bandwidth,
+            "transformers_tokens_per_s": peer or None,
+            "vs_transformers": best["tokens_per_s"] / peer if peer else None,
+            "compiles_in_measured_phase": best["compiles"],
+        }
+        if slots == 1:
+            for name, rate in peer_cpp.items():
+                row[f"{name}_tokens_per_s"] = rate
+                row[f"vs_{name}"] = best["tokens_per_s"] / rate
+            ids = (llm.tokenizer.encode(PROMPT * 64))[:PREFILL_TOKENS]
+            seconds, compiles = jinfer_prefill_s(llm, ids)
+            flops = prefill_flops(llm, len(ids))
+            prefill = {
+                "tokens": len(ids),
+                "seconds": seconds,
+                "tokens_per_s": len(ids) / seconds,
+                "mfu": flops / seconds / (ceiling["matmul_gflop_s"] * 1e9),
+                "compiles_in_measured_phase": compiles,
+            }
+        rows.append(row)
+        del llm
+    loads |= {f"{name}_s": cpp.load_s for name, cpp in peers_cpp.items()}
+    weights = sum(
+        os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir) if f.endswith(".safetensors")
+    )
+    return {"model": label, "weights_bytes": weights, "decode": rows, "prefill": prefill, "load": loads}
+
+
+def report(result: dict) -> str:
+    ceiling = result["ceiling"]
+    parts = [
+        f"Bandwidth {ceiling['bandwidth_gb_s']:.1f} GB/s (reduction {ceiling['reduction_gb_s']:.1f}, "
+        f"matvec {ceiling['matvec_gb_s']:.1f}); matmul {ceiling['matmul_gflop_s']:.0f} GFLOP/s; "
+        f"{result['tokens']} tokens per request, greedy, float32."
+    ]
+    for model in result["models"]:
+        columns = ["slots", "jinfer tok/s", "step ms", "ceiling tok/s", "MBU (needed)", "MBU (read)"]
+        columns += ["transformers tok/s", "x transformers", "compiles"]
+        rows = [
+            [
+                r["slots"],
+                r["jinfer_tokens_per_s"],
+                r["step_ms"],
+                r["ceiling_tokens_per_s"],
+                r["mbu_needed_bytes"],
+                r["mbu_bytes_read"],
+                r["transformers_tokens_per_s"],
+                r["vs_transformers"],
+                r["compiles_in_measured_phase"],
+            ]
+            for r in model["decode"]
+        ]
+        parts.append(f"\n### {model['model']} ({model['weights_bytes'] / 1e9:.2f} GB of weights)\n")
+        parts.append(markdown_table(columns, rows))
+        first = model["decode"][0]
+        for name in ("llama_cpp_f32", "llama_cpp_q4_1"):
+            if f"{name}_tokens_per_s" in first:
+                parts.append(
+                    f"\n{name}: {first[f'{name}_tokens_per_s']:.1f} tok/s at batch 1; jinfer / it = "
+                    f"{first[f'vs_{name}']:.2f}"
+                )
+        p = model["prefill"]
+        parts.append(
+            f"\nPrefill of {p['tokens']} tokens: {p['seconds'] * 1e3:.0f} ms "
+            f"({p['tokens_per_s']:.0f} tok/s), "
+            f"MFU {p['mfu']:.2f}, compiles {p['compiles_in_measured_phase']}. "
+            "Load: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in model["load"].items())
+        )
+    return "\n".join(parts)
+
+
+def plot(result: dict, path: str) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(result["models"]), figsize=(6 * len(result["models"]), 4), squeeze=False)
+    for ax, model in zip(axes[0], result["models"], strict=True):
+        rows = model["decode"]
+        slots = [r["slots"] for r in rows]
+        ax.plot(slots, [r["jinfer_tokens_per_s"] for r in rows], "o-", label="jinfer")
+        ax.plot(slots, [r["ceiling_tokens_per_s"] for r in rows], "--", label="bandwidth ceiling")
+        peers = [(r["slots"], r["transformers_tokens_per_s"]) for r in rows if r["transformers_tokens_per_s"]]
+        ax.plot(*zip(*peers, strict=True), "s", label="transformers")
+        for name, marker in (("llama_cpp_f32", "^"), ("llama_cpp_q4_1", "v")):
+            if f"{name}_tokens_per_s" in rows[0]:
+                ax.plot([1], [rows[0][f"{name}_tokens_per_s"]], marker, label=name.replace("_", " "))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("slots (batch)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(model["model"])
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--slots", default="1,2,4,8", help="slot counts to measure")
+    parser.add_argument("--slots", default="1,2,4,8,16,32", help="slot counts for SmolLM2")
+    parser.add_argument("--large-slots", default="1,8", help="slot counts for the ~0.9 GB random model")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (best kept)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
-    slot_counts = [int(s) for s in args.slots.split(",")]
-    os.makedirs(args.out, exist_ok=True)
+    work = os.path.join(args.out, ".models")
 
     progress("measuring memory bandwidth and matmul FLOP/s")
-    ceiling = measure_bandwidth()
+    ceiling = measure_ceiling()
     progress(
         f"bandwidth {ceiling['bandwidth_gb_s']:.1f} GB/s, matmul {ceiling['matmul_gflop_s']:.0f} GFLOP/s"
     )
 
-    progress("loading transformers reference (same GGUF weights, float32)")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(default_model_path())
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-
-    rows = []
-    for slots in slot_counts:
-        progress(f"jinfer: {slots} slots (build + warm-up)")
-        llm = jinfer.LLM(max_slots=slots, max_seq_len=256, prefill_buckets=(16, 32), decode_steps=4)
-        llm.engine.warmup()
-        input_ids = torch.tensor([llm.tokenizer.encode(PROMPT)])
-        best = {"tokens_per_s": 0.0}
-        peer = 0.0
-        for round_ in range(args.rounds):
-            progress(f"  round {round_ + 1}: jinfer then transformers")
-            run = jinfer_decode(llm, slots, args.tokens)
-            if run["tokens_per_s"] > best["tokens_per_s"]:
-                best = run
-            if slots in (1, 8):
-                peer = max(peer, transformers_decode(hf, input_ids, slots, args.tokens))
-        needed, read = bytes_per_step(llm, slots, input_ids.shape[1], args.tokens)
-        bandwidth = ceiling["bandwidth_gb_s"] * 1e9
-        rows.append(
-            {
-                "slots": slots,
-                "jinfer_tokens_per_s": best["tokens_per_s"],
-                "step_ms": best["step_s"] * 1e3,
-                "ceiling_tokens_per_s": slots * bandwidth / needed,
-                "mbu_needed_bytes": needed / best["step_s"] / bandwidth,
-                "mbu_bytes_read": read / best["step_s"] / bandwidth,
-                "transformers_tokens_per_s": peer or None,
-                "vs_transformers": best["tokens_per_s"] / peer if peer else None,
-                "compiles_in_measured_phase": best["compiles"],
-            }
+    progress("writing SmolLM2's float32 weights as a Hugging Face directory")
+    embedded = default_model_path()
+    smol_hf = export_hf_from_gguf(embedded, os.path.join(work, "smollm2-f32-hf"))
+    smol_jinfer, cpp = embedded, {}
+    if llama_cpp_available():
+        progress("llama.cpp: converting to an F32 GGUF with its convert_hf_to_gguf.py")
+        smol_jinfer = llama_cpp_f32_gguf(
+            smol_hf, os.path.join(work, "smollm2-f32.gguf"), os.path.join(work, "src")
         )
-        del llm
+        progress("llama.cpp: loading the F32 and Q4_1 GGUFs")
+        cpp = {"llama_cpp_f32": LlamaCpp(smol_jinfer), "llama_cpp_q4_1": LlamaCpp(embedded)}
+    else:
+        progress("llama-cpp-python is not installed: llama.cpp columns are skipped")
 
-    cpp = llama_cpp_decode(default_model_path(), args.tokens)
-    result = {"ceiling": ceiling, "decode": rows, "llama_cpp_q4_1_tokens_per_s": cpp, "tokens": args.tokens}
-    with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    models = [
+        bench_model(
+            "SmolLM2-135M", smol_jinfer, smol_hf, [int(s) for s in args.slots.split(",")], cpp, args, ceiling
+        )
+    ]
+    del cpp
+    if args.large_slots:
+        progress("writing a random ~0.9 GB Llama-shaped model")
+        large = random_llama_dir(os.path.join(work, "random-llama-0.9gb"), smol_hf)
+        slots = [int(s) for s in args.large_slots.split(",")]
+        models.append(bench_model("random Llama 0.9 GB", large, large, slots, {}, args, ceiling))
 
-    columns = ["slots", "jinfer tok/s", "step ms", "ceiling tok/s", "MBU (needed)", "MBU (read)"]
-    columns += ["transformers tok/s", "x transformers", "compiles"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
-    for r in rows:
-        cells = [
-            str(r["slots"]),
-            fmt(r["jinfer_tokens_per_s"], ".1f"),
-            fmt(r["step_ms"], ".1f"),
-            fmt(r["ceiling_tokens_per_s"], ".1f"),
-            fmt(r["mbu_needed_bytes"], ".2f"),
-            fmt(r["mbu_bytes_read"], ".2f"),
-            fmt(r["transformers_tokens_per_s"], ".1f"),
-            fmt(r["vs_transformers"], ".2f"),
-            str(r["compiles_in_measured_phase"]),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append(
-        f"Bandwidth {ceiling['bandwidth_gb_s']:.1f} GB/s (reduction {ceiling['reduction_gb_s']:.1f}, "
-        f"matvec {ceiling['matvec_gb_s']:.1f}); matmul {ceiling['matmul_gflop_s']:.0f} GFLOP/s; "
-        f"llama.cpp (Q4_1 GGUF): {fmt(cpp, '.1f')} tok/s; {args.tokens} tokens per request."
-    )
-    table = "\n".join(lines)
-    with open(os.path.join(args.out, "bench_decode.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(slot_counts, [r["jinfer_tokens_per_s"] for r in rows], "o-", label="jinfer")
-    ax.plot(slot_counts, [r["ceiling_tokens_per_s"] for r in rows], "--", label="bandwidth ceiling")
-    peers = [(r["slots"], r["transformers_tokens_per_s"]) for r in rows if r["transformers_tokens_per_s"]]
-    if peers:
-        ax.plot(*zip(*peers, strict=True), "s", label="transformers")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("slots (batch)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title("SmolLM2-135M float32 decode")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "bench_decode.png"), dpi=120)
+    result = {"ceiling": ceiling, "models": models, "tokens": args.tokens}
+    write_results(args.out, "bench_decode", result, report(result))
+    plot(result, os.path.join(args.out, "bench_decode.png"))
     return 0
 
 

@@ -14,6 +14,8 @@ Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode
     matrix on every step, which cost more than the product itself.)
   * Inside the decoder, activations are feature-major columns x[D, N] (N = B * T tokens):
     XLA:CPU multiplies W @ x ~1.6x faster than x @ W^T when N is a handful of decode slots.
+  * `jax.named_scope`s (qkv_proj, kv_write, attention, out_proj, mlp, logits) label the compiled
+    ops so a profile can be read per part of the model.
 
 `param_specs(cfg)` is the single declaration of every weight (shape + logical axes). Random init,
 abstract shapes, shardings and loader shape checks are all derived from it (DESIGN rule 2).
@@ -221,6 +223,7 @@ def project(w: jax.Array, x: jax.Array) -> jax.Array:
     return out.reshape(*w.shape[:-1], x.shape[-1])
 
 
+@jax.named_scope("attention")
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int
 ) -> jax.Array:
@@ -255,7 +258,8 @@ def _attention_block(
 ):
     """x [D, N] columns -> attention output [D, N] and the layer's updated cache."""
     b, t = positions.shape
-    q, k, v = project(p.wq, x), project(p.wk, x), project(p.wv, x)  # [heads, h, N]
+    with jax.named_scope("qkv_proj"):
+        q, k, v = project(p.wq, x), project(p.wk, x), project(p.wv, x)  # [heads, h, N]
     if cfg.qkv_bias:
         q, k, v = q + p.bq[..., None], k + p.bk[..., None], v + p.bv[..., None]
     if cfg.qk_norm:
@@ -270,8 +274,9 @@ def _attention_block(
         out = attention(q, k, v, positions, positions, window)
         new_kv = None
     else:
-        cache_k, cache_v = write_kv(cache_kv, k, v, positions, rows)
-        keys, values = (cache_k, cache_v) if rows is None else (cache_k[rows], cache_v[rows])
+        with jax.named_scope("kv_write"):
+            cache_k, cache_v = write_kv(cache_kv, k, v, positions, rows)
+        keys, values = (cache_k[:b], cache_v[:b]) if rows is None else (cache_k[rows], cache_v[rows])
         if attn_len is not None:  # the caller knows no position at or past attn_len is in use
             keys, values = keys[:, :attn_len], values[:, :attn_len]
         cache_positions = jnp.arange(keys.shape[1], dtype=positions.dtype)
@@ -279,9 +284,11 @@ def _attention_block(
         out = attention(q, keys, values, positions, k_pos, window)
         new_kv = (cache_k, cache_v)
     heads_out = out.reshape(-1, b * t)  # [n * h, N], heads in Hugging Face order
-    return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), new_kv
+    with jax.named_scope("out_proj"):
+        return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), new_kv
 
 
+@jax.named_scope("mlp")
 def _mlp_block(p: LayerParams, x: jax.Array) -> jax.Array:
     return project(p.w_down, jax.nn.silu(project(p.w_gate, x)) * project(p.w_up, x))
 
@@ -299,9 +306,10 @@ def forward(
 
     Without a cache the tokens attend to each other causally (full-sequence scoring). With a cache,
     their K/V are written at `positions` (contiguous per row) and they attend to everything cached
-    at positions <= their own. Batch entry b uses cache row b, or cache row rows[b] when `rows` [B]
-    is given (prefill into chosen slots). With `attn_len` (static) attention reads only the first
-    attn_len cache positions: decode cost then follows the filled part of the cache, not its size.
+    at positions <= their own. Batch entry b uses cache row b (the cache may have more rows than
+    the batch), or cache row rows[b] when `rows` [B] is given (prefill into chosen slots). With
+    `attn_len` (static) attention reads only the first attn_len cache positions: decode cost then
+    follows the filled part of the cache, not its size.
     Returns final-normed hidden states [B, T, D] and the cache.
     """
     b, t = tokens.shape
@@ -323,6 +331,7 @@ def forward(
     return hidden, KVCache(k=tuple(kv[0] for kv in new_layers), v=tuple(kv[1] for kv in new_layers))
 
 
+@jax.named_scope("logits")
 def logits(params: Params, hidden: jax.Array) -> jax.Array:
     """Project hidden states [..., D] to float32 vocabulary logits [..., V].
 
@@ -332,4 +341,7 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
     weight = params.embed if params.lm_head is None else params.lm_head
     columns = hidden.reshape(-1, hidden.shape[-1]).T
     out = jnp.dot(weight, columns, preferred_element_type=jnp.float32)  # [V, N]
+    # The barrier stops XLA from folding the transpose into the product: for 2-4 columns the
+    # folded form picks a kernel ~15x slower than this one plus a small transpose.
+    out = jax.lax.optimization_barrier(out)
     return out.T.reshape(*hidden.shape[:-1], weight.shape[0])

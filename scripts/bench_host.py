@@ -1,0 +1,149 @@
+"""Host-overhead benchmark: the engine's decode step against a bare loop of its jitted decode.
+
+For each model, with every slot busy:
+  * engine: `LLM.generate` wall time per decode step (scheduler, detokenizer, streaming events,
+    reading tokens one dispatch late: everything a served request goes through);
+  * bare: the same compiled decode function called back to back on the engine's own cache and
+    state, blocking only at the end (the device never waits for the host).
+Host overhead = (engine - bare) / engine; the device is idle between steps for that fraction of
+wall time, since both run identical device work. A near-zero-cost model (one small layer, the
+real tokenizer and vocabulary) shows the overhead on its own; SmolLM2-135M shows what is left of
+it when the device has real work.
+
+    python scripts/bench_host.py [--slots 1,8] [--out results]
+
+Writes results/bench_host.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax.numpy as jnp
+from benchlib import (
+    PROMPT,
+    export_hf_from_gguf,
+    markdown_table,
+    progress,
+    pyplot,
+    random_llama_dir,
+    write_results,
+)
+
+import jinfer
+from jinfer.weights import default_model_path
+
+TOKENS = 96
+
+
+def engine_step_s(llm: jinfer.LLM, slots: int) -> tuple[float, int]:
+    sampling = jinfer.SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    before = llm.engine.compile_count()
+    start = time.perf_counter()
+    results = llm.generate([PROMPT] * slots, sampling)
+    decode_time = time.perf_counter() - start - min(r.metrics["ttft_s"] for r in results)
+    return decode_time / (TOKENS - 1), llm.engine.compile_count() - before
+
+
+def bare_step_s(llm: jinfer.LLM, slots: int, prompt_len: int) -> float:
+    """Back-to-back calls of the decode the engine used, on its cache and state (left where the
+    engine's requests ended; positions keep advancing inside the cache, which is long enough)."""
+    engine = llm.engine
+    steps = engine.config.decode_steps
+    # The bucket the engine attended over for most of its run (its last requests' reach).
+    bucket = next(b for b in engine.config.attention_buckets if b >= prompt_len + TOKENS + 2 * steps + 1)
+    decode = engine.steps.decode[slots, bucket]
+    active = jnp.ones((slots,), bool)
+    calls = TOKENS // 2 // steps
+    cache, state, out = decode(engine.params, engine.cache, engine.state, active, False)
+    out.tokens.block_until_ready()
+    start = time.perf_counter()
+    for _ in range(calls):
+        cache, state, out = decode(engine.params, cache, state, active, False)
+    out.tokens.block_until_ready()
+    seconds = (time.perf_counter() - start) / (calls * steps)
+    engine.cache, engine.state = cache, state
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--slots", default="1,8")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (best of each kept)")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+    work = os.path.join(args.out, ".models")
+    smol_hf = export_hf_from_gguf(default_model_path(), os.path.join(work, "smollm2-f32-hf"))
+    tiny = random_llama_dir(
+        os.path.join(work, "near-zero-llama"), smol_hf, hidden=64, layers=1, mlp=128, heads=4, kv_heads=2
+    )
+    rows = []
+    for label, path in (("near-zero model", tiny), ("SmolLM2-135M", default_model_path())):
+        for slots in (int(s) for s in args.slots.split(",")):
+            progress(f"{label}, {slots} slots: build and warm up")
+            llm = jinfer.LLM(path, max_slots=slots, max_seq_len=512, prefill_buckets=(16,))
+            llm.engine.warmup()
+            prompt_len = len(llm.tokenizer.encode(PROMPT))
+            engine_s, bare_s, compiles = float("inf"), float("inf"), 0
+            for _ in range(args.rounds):
+                step, new_compiles = engine_step_s(llm, slots)
+                engine_s, compiles = min(engine_s, step), compiles + new_compiles
+                bare_s = min(bare_s, bare_step_s(llm, slots, prompt_len))
+            rows.append(
+                {
+                    "model": label,
+                    "slots": slots,
+                    "engine_step_ms": engine_s * 1e3,
+                    "bare_step_ms": bare_s * 1e3,
+                    "host_overhead_ms": (engine_s - bare_s) * 1e3,
+                    "host_overhead_fraction": (engine_s - bare_s) / engine_s,
+                    "compiles_in_measured_phase": compiles,
+                }
+            )
+            progress(f"  engine {engine_s * 1e3:.2f} ms/step, bare {bare_s * 1e3:.2f} ms/step")
+            del llm
+    columns = [
+        "model",
+        "slots",
+        "engine ms/step",
+        "bare ms/step",
+        "overhead ms",
+        "overhead (= idle) fraction",
+    ]
+    columns.append("compiles")
+    table = markdown_table(
+        columns,
+        [
+            [
+                r["model"],
+                r["slots"],
+                r["engine_step_ms"],
+                r["bare_step_ms"],
+                r["host_overhead_ms"],
+                r["host_overhead_fraction"],
+                r["compiles_in_measured_phase"],
+            ]
+            for r in rows
+        ],
+    )
+    write_results(args.out, "bench_host", {"rows": rows, "tokens": TOKENS}, table)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['model']}\n{r['slots']} slots" for r in rows]
+    ax.bar(labels, [r["bare_step_ms"] for r in rows], label="device (bare decode)")
+    ax.bar(labels, [max(r["host_overhead_ms"], 0) for r in rows], bottom=[r["bare_step_ms"] for r in rows])
+    ax.set_ylabel("ms per decode step")
+    ax.set_yscale("log")
+    ax.legend(["device (bare decode)", "host overhead"])
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "bench_host.png"), dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Shared pieces of the benchmark scripts: progress lines, the hardware ceiling, benchmark models
+built offline, peers (transformers, llama.cpp) and writing results (JSON + markdown + PNG).
+
+Every benchmark measures its ceiling and its peers in the same run as jinfer, because these
+machines are shared and noisy: only ratios taken side by side mean much.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LLAMA_CPP_VERSION = "0.3.36"
+PROMPT = "Once upon a time, there was a little"
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def measure_ceiling(repeats: int = 5) -> dict[str, float]:
+    """Memory bandwidth (best of repeated 1 GiB float32 reductions and matrix-vector products) and
+    float32 matmul GFLOP/s (2048^3)."""
+    n = 2**28  # 1 GiB of float32
+    x = jnp.ones((n,), jnp.float32)
+    side = 2**14
+    matrix, vector = x.reshape(side, side), jnp.ones((side,), jnp.float32)
+    a = jnp.ones((2048, 2048), jnp.float32)
+    best = {"reduction": 0.0, "matvec": 0.0, "matmul": 0.0}
+    cases = (
+        (jax.jit(jnp.sum), (x,), "reduction", n * 4 / 1e9),
+        (jax.jit(jnp.dot), (matrix, vector), "matvec", n * 4 / 1e9),
+        (jax.jit(jnp.matmul), (a, a), "matmul", 2 * 2048**3 / 1e9),
+    )
+    for fn, args, key, amount in cases:
+        jax.block_until_ready(fn(*args))
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[key] = max(best[key], amount / (time.perf_counter() - start))
+    return {
+        "bandwidth_gb_s": max(best["reduction"], best["matvec"]),
+        "reduction_gb_s": best["reduction"],
+        "matvec_gb_s": best["matvec"],
+        "matmul_gflop_s": best["matmul"],
+    }
+
+
+def decode_weight_bytes(params) -> int:
+    """Bytes of weights one decode step reads: all of them, less an untied input embedding (it is
+    gathered one row per token)."""
+    total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+    if params.lm_head is not None:
+        total -= params.embed.size * params.embed.dtype.itemsize
+    return total
+
+
+def export_hf_from_gguf(gguf_path: str, directory: str) -> str:
+    """A float32 Hugging Face directory holding exactly the GGUF's (dequantized) weights and its
+    tokenizer: what transformers and llama.cpp's converter read."""
+    if os.path.exists(os.path.join(directory, "model.safetensors")):
+        return directory
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tied = model.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    os.makedirs(directory, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(directory)
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def random_llama_dir(
+    directory: str, tokenizer_dir: str, *, hidden=1024, layers=16, mlp=2816, heads=16, kv_heads=4
+) -> str:
+    """A random-weight Llama-shaped model (~0.9 GB float32 by default) written as a Hugging Face
+    directory, reusing `tokenizer_dir`'s tokenizer (its vocabulary sets the embedding size)."""
+    if os.path.exists(os.path.join(directory, "model.safetensors")):
+        return directory
+    from safetensors.numpy import save_file
+
+    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    vocab = max(tokenizer["model"]["vocab"].values()) + 1
+    vocab = max([vocab] + [t["id"] + 1 for t in tokenizer.get("added_tokens", [])])
+    head_dim = hidden // heads
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: 0.02 * rng.standard_normal(shape, dtype=np.float32)
+    state = {
+        "model.embed_tokens.weight": normal(vocab, hidden),
+        "model.norm.weight": np.ones(hidden, np.float32),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state |= {
+            p + "input_layernorm.weight": np.ones(hidden, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+            p + "self_attn.q_proj.weight": normal(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": normal(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": normal(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": normal(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": normal(mlp, hidden),
+            p + "mlp.up_proj.weight": normal(mlp, hidden),
+            p + "mlp.down_proj.weight": normal(hidden, mlp),
+        }
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith("tokenizer") or name.endswith(".jinja"):
+            with (
+                open(os.path.join(tokenizer_dir, name), "rb") as src,
+                open(os.path.join(directory, name), "wb") as dst,
+            ):
+                dst.write(src.read())
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    save_file(state, os.path.join(directory, "model.safetensors"))
+    return directory
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_cpp_f32_gguf(hf_dir: str, out_path: str, source_dir: str) -> str:
+    """Write hf_dir as an F32 GGUF with llama.cpp's own convert_hf_to_gguf.py, taken from the
+    llama-cpp-python source distribution (downloaded from PyPI into source_dir once)."""
+    if os.path.exists(out_path):
+        return out_path
+    root = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}", "vendor", "llama.cpp")
+    if not os.path.exists(os.path.join(root, "convert_hf_to_gguf.py")):
+        os.makedirs(source_dir, exist_ok=True)
+        package = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
+        download = ["pip", "download", "-q", "--no-deps", "--no-binary", ":all:", package, "-d", source_dir]
+        subprocess.run([sys.executable, "-m", *download], check=True)
+        archive = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz")
+        wanted = ("convert_hf_to_gguf.py", "gguf-py/", "conversion/")
+        prefix = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
+        with tarfile.open(archive) as tar:
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(wanted)
+            ]
+            tar.extractall(source_dir, members=members, filter="data")
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "gguf-py"))
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "convert_hf_to_gguf.py"),
+            hf_dir,
+            "--outtype",
+            "f32",
+            "--outfile",
+            out_path,
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    return out_path
+
+
+def write_results(out_dir: str, name: str, result: dict, table: str) -> None:
+    """results/<name>.json and results/<name>.md (the table is also printed)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    def cell(v):
+        if v is None:
+            return "n/a"
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
