@@ -10,7 +10,11 @@ throughput at concurrency 8. Clients are the official `openai` package with `ign
 output length and `stream_options.include_usage` giving the token counts. Clients and server
 share this machine's cores, as any loopback benchmark does.
 
-    python scripts/bench_serve.py [--decode-steps 1,4] [--tokens 64] [--out results]
+    python scripts/bench_serve.py [--configs 4:512,1:64] [--tokens 64] [--out results]
+
+Each config is decode_steps:prefill_token_budget. The default pair compares the throughput
+setting (the preset's 4 decode steps per dispatch, all waiting prompts prefilled at once) with a
+latency setting (one step per dispatch, at most 64 prompt tokens between two decode steps).
 
 Writes results/bench_serve.{json,md,png}.
 """
@@ -47,9 +51,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, decode_steps: int) -> subprocess.Popen:
+def start_server(port: int, decode_steps: int, budget: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "jinfer.cli", "serve", "--config", "configs/smollm2.toml"]
-    command += ["--port", str(port), "--decode-steps", str(decode_steps), *SERVER_FLAGS]
+    command += ["--port", str(port), "--decode-steps", str(decode_steps)]
+    command += ["--prefill-token-budget", str(budget), *SERVER_FLAGS]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -122,8 +127,8 @@ async def poisson(client, rate: float, count: int, tokens: int) -> dict:
     return summarize(results, time.perf_counter() - start)
 
 
-def offline_tokens_per_s(decode_steps: int, tokens: int) -> float:
-    llm = jinfer.LLM(decode_steps=decode_steps, **ENGINE)
+def offline_tokens_per_s(decode_steps: int, budget: int, tokens: int) -> float:
+    llm = jinfer.LLM(decode_steps=decode_steps, prefill_token_budget=budget, **ENGINE)
     llm.engine.warmup()
     conversations = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(8)]
     sampling = jinfer.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -155,7 +160,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--decode-steps", default="1,4", help="engine decode steps per dispatch to compare")
+    parser.add_argument("--configs", default="4:512,1:64", help="decode_steps:prefill_token_budget pairs")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--per-client", type=int, default=2, help="requests each closed-loop client sends")
     parser.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals per second")
@@ -164,12 +169,14 @@ def main() -> int:
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     runs = []
-    for decode_steps in (int(s) for s in args.decode_steps.split(",")):
-        progress(f"decode_steps={decode_steps}: offline reference (8 prompts at once)")
-        offline = offline_tokens_per_s(decode_steps, args.tokens)
-        progress(f"decode_steps={decode_steps}: starting jinfer serve")
+    for config in args.configs.split(","):
+        decode_steps, budget = (int(v) for v in config.split(":"))
+        label = f"decode_steps={decode_steps}, prefill_token_budget={budget}"
+        progress(f"{label}: offline reference (8 prompts at once)")
+        offline = offline_tokens_per_s(decode_steps, budget, args.tokens)
+        progress(f"{label}: starting jinfer serve")
         port = free_port()
-        server = start_server(port, decode_steps)
+        server = start_server(port, decode_steps, budget)
         try:
             rows = asyncio.run(serve_scenarios(port, args))
         finally:
@@ -179,6 +186,7 @@ def main() -> int:
         runs.append(
             {
                 "decode_steps": decode_steps,
+                "prefill_token_budget": budget,
                 "offline_batch8_tokens_per_s": offline,
                 "served_over_offline_at_8": at_8["output_tokens_per_s"] / offline if at_8 else None,
                 "scenarios": rows,
@@ -187,7 +195,8 @@ def main() -> int:
     parts = []
     for run in runs:
         parts.append(
-            f"\n### decode_steps = {run['decode_steps']}: offline batch 8 "
+            f"\n### decode_steps = {run['decode_steps']}, prefill_token_budget = "
+            f"{run['prefill_token_budget']}: offline batch 8 "
             f"{run['offline_batch8_tokens_per_s']:.1f} tok/s; served / offline at 8 clients = "
             f"{run['served_over_offline_at_8']:.2f}\n"
         )
@@ -213,7 +222,7 @@ def main() -> int:
     for run in runs:
         closed = [r for r in run["scenarios"] if r["concurrency"]]
         x = [r["concurrency"] for r in closed]
-        label = f"decode_steps={run['decode_steps']}"
+        label = f"steps {run['decode_steps']}, budget {run['prefill_token_budget']}"
         left.plot(x, [r["output_tokens_per_s"] for r in closed], "o-", label=label)
         left.axhline(run["offline_batch8_tokens_per_s"], ls="--", lw=0.8, color=left.lines[-1].get_color())
         right.plot(x, [r["itl_ms"]["p50"] for r in closed], "o-", label=f"{label} ITL p50")
