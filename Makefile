@@ -35,6 +35,11 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Writes results/*.{json,md,png}; llama.cpp joins the decode benchmark once
+# `$(PY) -m pip install llama-cpp-python==0.3.36` has been run (it compiles for ~10 minutes).
 bench: setup
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) scripts/bench_decode.py --out results
+	$(PY) scripts/bench_host.py --out results
+	$(PY) scripts/bench_serve.py --out results
+	$(PY) scripts/profile_decode.py --out results

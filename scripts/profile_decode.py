@@ -48,7 +48,7 @@ def op_scopes(compiled_text: str) -> dict[str, str]:
     """HLO op name -> the innermost named scope in its metadata, or "other".
 
     Ops that XLA created without metadata (on CPU, the matrix-vector products of a 1-slot step)
-    take the scope of an op that consumes them.
+    take the named scope of an op that consumes them, or are counted as "unlabelled products".
     """
     scopes, users = {}, collections.defaultdict(list)
     for match in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", compiled_text, re.MULTILINE):
@@ -60,7 +60,8 @@ def op_scopes(compiled_text: str) -> dict[str, str]:
             users[operand].append(name)
     for name, scope in scopes.items():
         if scope is None:
-            scopes[name] = next((scopes[u] for u in users[name] if scopes.get(u)), "other")
+            named = (scopes[u] for u in users[name] if scopes.get(u) in SCOPES)
+            scopes[name] = next(named, "unlabelled products" if name.startswith("dot") else "other")
     return scopes
 
 
@@ -98,7 +99,9 @@ def profile(slots: int) -> dict:
     bucket = engine.config.attention_buckets[1]
     decode = engine.steps.decode[slots, bucket]
     active = jnp.ones((slots,), bool)
-    scopes = op_scopes(decode.lower(engine.params, engine.cache, engine.state, active).compile().as_text())
+    scopes = op_scopes(
+        decode.lower(engine.params, engine.cache, engine.state, active, False).compile().as_text()
+    )
     cache, state = engine.cache, engine.state
 
     def run(calls):
@@ -170,7 +173,7 @@ def main() -> int:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['slots']} slots" for r in runs]
     bottom = [0.0] * len(runs)
-    for scope in (*SCOPES, "other"):
+    for scope in (*SCOPES, "unlabelled products", "other"):
         shares = [r["by_scope_ms"].get(scope, 0.0) / r["profiled_op_ms"] * r["step_ms"] for r in runs]
         ax.bar(labels, shares, bottom=bottom, label=scope)
         bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
