@@ -2,7 +2,7 @@
 
 Two verbs touch the preallocated cache, both with the cache and slot state donated:
 
-  prefill[bucket](params, cache, state, chunk) -> cache, state, out
+  prefill(params, cache, state, chunk) -> cache, state, out
       One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
       slot's rows of the shared cache, at positions start.. (so a long prompt is just several
       chunks, each attending to the ones before it). The last real position's logits give the
