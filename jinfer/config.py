@@ -310,6 +310,15 @@ def _config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs) 
 CONTEXT_POLICIES = ("error", "truncate", "drop_oldest")
 
 
+def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
+    """first, first * factor, ... while below `last`, then `last`."""
+    sizes, size = [], first
+    while size < last:
+        sizes.append(size)
+        size *= factor
+    return (*sizes, last)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine lays out the device: slots, cache length, buckets, steps per dispatch, mesh."""
@@ -351,11 +360,7 @@ class EngineConfig:
     @property
     def attention_buckets(self) -> tuple[int, ...]:
         """Decode attends over the first `bucket` cache positions: the smallest that holds every slot."""
-        sizes, size = [], 64
-        while size < self.cache_len:
-            sizes.append(size)
-            size *= 2
-        return (*sizes, self.cache_len)
+        return _geometric_buckets(64, 2, self.cache_len)
 
     @property
     def slot_buckets(self) -> tuple[int, ...]:
@@ -367,11 +372,7 @@ class EngineConfig:
         """
         if self.mesh_data > 1:
             return (self.max_slots,)
-        sizes, size = [], 1
-        while size < self.max_slots:
-            sizes.append(size)
-            size *= 4
-        return (*sizes, self.max_slots)
+        return _geometric_buckets(1, 4, self.max_slots)
 
     @property
     def cache_len(self) -> int:

@@ -135,7 +135,8 @@ class LlamaCpp:
         self.model(PROMPT, max_tokens=1, temperature=0)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        out = self.model(PROMPT, max_tokens=tokens, temperature=0, logit_bias={2: -1e9})  # no early eos
+        no_eos = {self.model.token_eos(): -1e9}  # a fixed output length, like ignore_eos
+        out = self.model(PROMPT, max_tokens=tokens, temperature=0, logit_bias=no_eos)
         return (out["usage"]["completion_tokens"] - 1) / (time.perf_counter() - start - prefill)
 
 

@@ -41,8 +41,9 @@ PROMPTS = [
     "List some facts about the planet Mars.",
     "Describe a walk through a forest in autumn.",
 ]
-SERVER_FLAGS = ["--max-slots", "8", "--max-seq-len", "512", "--prefill-buckets", "16,32,64"]
-ENGINE = {"max_slots": 8, "max_seq_len": 512, "prefill_buckets": (16, 32, 64)}
+ENGINE = {"max_slots": 8, "max_seq_len": 512, "prefill_buckets": (16, 32, 64)}  # server and offline
+SERVER_FLAGS = ["--max-slots", str(ENGINE["max_slots"]), "--max-seq-len", str(ENGINE["max_seq_len"])]
+SERVER_FLAGS += ["--prefill-buckets", ",".join(map(str, ENGINE["prefill_buckets"]))]
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -140,11 +141,7 @@ def random_llama_dir(
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(tokenizer_dir):
         if name.startswith("tokenizer") or name.endswith(".jinja"):
-            with (
-                open(os.path.join(tokenizer_dir, name), "rb") as src,
-                open(os.path.join(directory, name), "wb") as dst,
-            ):
-                dst.write(src.read())
+            shutil.copy(os.path.join(tokenizer_dir, name), directory)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     save_file(state, os.path.join(directory, "model.safetensors"))
