@@ -484,7 +484,12 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model, tmp_path):
         endless_thread.start()
         time.sleep(1.0)
         finishing_thread.start()
-        time.sleep(0.1)
+        # The short request must be admitted before the signal, however slow the machine is (it may
+        # even have finished already: it only has to end with "length").
+        deadline = time.monotonic() + 30
+        while "finishing" not in results and _metric(base, "jinfer_slots_in_use") < 2:
+            assert time.monotonic() < deadline, "the short request was never admitted"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert httpx.get(base + "/ready").status_code == 503
