@@ -40,6 +40,7 @@ from benchlib import (
     progress,
     pyplot,
     random_llama_dir,
+    transformers_decode,
     write_results,
 )
 
@@ -101,21 +102,6 @@ def prefill_flops(llm: jinfer.LLM, tokens: int) -> float:
     layer_matrices = weights // params.final_norm.dtype.itemsize - vocab_matrix
     attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # QK + PV, causal
     return 2 * layer_matrices * tokens + attention + 2 * vocab_matrix
-
-
-def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
-    import torch
-
-    ids = input_ids.repeat(batch, 1)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        total = time.perf_counter() - start
-    return batch * (tokens - 1) / (total - prefill)
 
 
 class LlamaCpp:

@@ -1,10 +1,17 @@
-"""Accelerator decode benchmark: a random Llama-3-8B-shaped model, bf16, batch 1 and 64, with MBU.
+"""Accelerator benchmark: a random Llama-3-8B-shaped model, bf16, decode at batch 1 and 64 with
+MBU and MFU, prefill MFU, and transformers on the same device as the peer.
 
-Meant for the rare session with an accelerator (an H200 here); nothing else depends on it. It
-builds the model with random weights directly on the device (no files), then times jinfer's own
-compiled decode (all slots busy, `decode_steps` steps per call, called back to back) and
-reports tokens/s and MBU = (weight bytes + K/V bytes of the attention bucket) / step time /
-bandwidth, with the bandwidth measured in the same run (benchlib.measure_ceiling).
+Meant for the rare session with an accelerator (an H200 here); nothing else depends on it.
+scripts/gpu_check.sh runs it after a GPU smoke test. It builds the model with random weights
+directly on the device (no files), then times jinfer's own compiled steps:
+  * decode: all slots busy at `--context` positions, `decode_steps` steps per call, called back to
+    back; MBU = (weight bytes + K/V bytes of the attention bucket) / step time / bandwidth, and
+    MFU = the step's matrix FLOPs / step time / the matmul rate;
+  * prefill: one `--prefill-tokens` prompt chunk; MFU as above.
+Bandwidth (1 GiB reductions and matrix-vector products) and the matmul rate (8192^3 in the
+model's dtype) are measured in the same run. The peer, transformers `generate()` (greedy, eager,
+the same shape and dtype, its own random weights), runs first in a child process, so that JAX
+has not yet taken the device's memory.
 
     python scripts/bench_gpu.py [--shape llama3-8b] [--slots 1,64] [--out results]
 
@@ -15,18 +22,28 @@ Writes results/bench_gpu.{json,md}.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-from benchlib import decode_weight_bytes, markdown_table, measure_ceiling, progress, write_results
+import numpy as np
+from benchlib import (
+    decode_weight_bytes,
+    markdown_table,
+    measure_ceiling,
+    progress,
+    transformers_decode,
+    write_results,
+)
 
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.models import llama
+from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
-from jinfer.steps import build_steps
+from jinfer.steps import build_steps, prefill_chunk_arrays
 
 SHAPES = {
     "llama3-8b": {
@@ -50,6 +67,50 @@ SHAPES = {
 }
 
 
+def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int, tokens: int) -> dict:
+    """transformers decode tokens/s per slot count on the accelerator (or the CPU without one)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_default_dtype(getattr(torch, dtype))
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**hf)).eval()
+    ids = torch.randint(0, hf["vocab_size"], (1, context), device=device)
+    return {slots: transformers_decode(model, ids, slots, tokens) for slots in slot_counts}
+
+
+def matrix_params(params) -> tuple[int, int]:
+    """(weights in all layers, the output projection): what a token's matrix products multiply."""
+    layers = sum(a.size for a in jax.tree.leaves(params.layers))
+    return layers, (params.lm_head if params.lm_head is not None else params.embed).size
+
+
+def attention_flops(cfg: ModelConfig, queries: int, keys: int) -> int:
+    """QK^T and PV for `queries` query positions against `keys` key positions."""
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
+
+
+def bench_prefill(cfg, steps, params, cache, state, tokens: int, calls: int, peak_flop_s: float) -> dict:
+    greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
+    prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
+    chunk = prefill_chunk_arrays(prompt, 0, 0, tokens, 0, {}, (), greedy, cfg.vocab_size, False)
+    best = float("inf")
+    for _ in range(calls + 1):  # the first call compiles
+        start = time.perf_counter()
+        cache, state, out = steps.prefill(params, cache, state, chunk)
+        out.tokens.block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    layers, output = matrix_params(params)
+    flops = 2 * layers * tokens + 2 * output + attention_flops(cfg, tokens, tokens) // 2  # causal
+    return {
+        "tokens": tokens,
+        "ms": best * 1e3,
+        "tokens_per_s": tokens / best,
+        "mfu": flops / best / peak_flop_s,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,30 +118,52 @@ def main() -> int:
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--slots", default="1,64")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--context", type=int, default=1024, help="positions filled before timing")
-    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--context", type=int, default=900, help="decode: positions filled before timing")
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--calls", type=int, default=25)
+    parser.add_argument("--peer-tokens", type=int, default=32, help="tokens per transformers generate()")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
-    hf = {"model_type": "llama", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, **SHAPES[args.shape]}
-    cfg = ModelConfig.from_hf(hf)
-    progress(f"device {jax.devices()[0].device_kind}; measuring bandwidth")
-    ceiling = measure_ceiling()
+    slot_counts = [int(s) for s in args.slots.split(",")]
+    hf = {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, **SHAPES[args.shape]}
+    peer = {}
+    if not args.no_peer:
+        progress(f"transformers generate() on the same shape: {slot_counts} slots, {args.peer_tokens} tokens")
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            peer = pool.apply(
+                transformers_peer, (hf, args.dtype, slot_counts, args.context, args.peer_tokens)
+            )
+    cfg = ModelConfig.from_hf({"model_type": "llama", **hf})
+    device = jax.devices()[0].device_kind
+    progress(f"device {device}; measuring bandwidth and the {args.dtype} matmul rate")
+    ceiling = measure_ceiling(
+        matmul_dtype=dtype, matmul_side=8192 if jax.default_backend() != "cpu" else 1024
+    )
+    bandwidth, peak_flop_s = ceiling["bandwidth_gb_s"] * 1e9, ceiling["matmul_gflop_s"] * 1e9
     mesh = make_mesh()
     shardings = param_shardings(cfg, mesh)
     progress(f"random {args.shape} weights in {args.dtype}, on device")
     params = jax.jit(partial(llama.init_params, cfg, dtype=dtype), out_shardings=shardings)(jax.random.key(0))
     weights = decode_weight_bytes(params)
+    layers, output = matrix_params(params)
     per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    rows = []
-    for slots in (int(s) for s in args.slots.split(",")):
-        engine = EngineConfig(max_slots=slots, max_seq_len=2 * args.context, dtype=args.dtype)
+    rows, prefill = [], None
+    for slots in slot_counts:
+        engine = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
         steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
+        cache, state = steps.new_cache(dtype), steps.new_state()
+        if prefill is None:
+            progress(f"prefill: one {args.prefill_tokens}-token chunk, best of {args.calls // 5}")
+            prefill = bench_prefill(
+                cfg, steps, params, cache, state, args.prefill_tokens, args.calls // 5, peak_flop_s
+            )
+            cache, state = steps.new_cache(dtype), steps.new_state()  # prefill donated them
         bucket = next(
             b for b in engine.attention_buckets if b >= args.context + args.calls * engine.decode_steps
         )
         decode = steps.decode[slots, bucket]
-        cache, state = steps.new_cache(dtype), steps.new_state()
         state = state.replace(positions=jnp.full_like(state.positions, args.context))
         active = jnp.ones((slots,), bool)
         progress(f"{slots} slots: compiling, then {args.calls} calls of {engine.decode_steps} steps")
@@ -92,25 +175,53 @@ def main() -> int:
         out.tokens.block_until_ready()
         step_s = (time.perf_counter() - start) / (args.calls * engine.decode_steps)
         read = weights + slots * bucket * per_position
+        flops = slots * (2 * (layers + output) + attention_flops(cfg, 1, bucket))
         rows.append(
             {
                 "slots": slots,
                 "step_ms": step_s * 1e3,
                 "tokens_per_s": slots / step_s,
-                "mbu": read / step_s / (ceiling["bandwidth_gb_s"] * 1e9),
+                "mbu": read / step_s / bandwidth,
+                "mfu": flops / step_s / peak_flop_s,
                 "attention_bucket": bucket,
+                "transformers_tokens_per_s": peer.get(slots),
             }
         )
         del cache, state
     table = markdown_table(
-        ["slots", "step ms", "tokens/s", "MBU", "attention bucket"],
-        [[r["slots"], r["step_ms"], r["tokens_per_s"], r["mbu"], r["attention_bucket"]] for r in rows],
+        [
+            "slots",
+            "step ms",
+            "tokens/s",
+            "MBU",
+            "MFU",
+            "attention bucket",
+            "transformers tok/s",
+            "x transformers",
+        ],
+        [
+            [
+                r["slots"],
+                r["step_ms"],
+                r["tokens_per_s"],
+                r["mbu"],
+                r["mfu"],
+                r["attention_bucket"],
+                r["transformers_tokens_per_s"] or "-",
+                r["tokens_per_s"] / r["transformers_tokens_per_s"] if r["transformers_tokens_per_s"] else "-",
+            ]
+            for r in rows
+        ],
     )
     table += (
-        f"\n\n{jax.devices()[0].device_kind}, {args.shape} ({weights / 1e9:.1f} GB of {args.dtype} weights), "
-        f"bandwidth {ceiling['bandwidth_gb_s']:.0f} GB/s measured in the same run."
+        f"\n\nPrefill of {prefill['tokens']} tokens: {prefill['ms']:.1f} ms, "
+        f"{prefill['tokens_per_s']:.0f} tokens/s, MFU {prefill['mfu']:.2f}.\n\n"
+        f"{device}, {args.shape} ({weights / 1e9:.1f} GB of {args.dtype} weights), "
+        f"bandwidth {ceiling['bandwidth_gb_s']:.0f} GB/s and {args.dtype} matmul "
+        f"{ceiling['matmul_gflop_s'] / 1e3:.0f} TFLOP/s measured in the same run; transformers "
+        f"{'not run' if args.no_peer else 'generate() (eager, greedy) on the same device'}."
     )
-    result = {"device": jax.devices()[0].device_kind, "shape": args.shape, "ceiling": ceiling, "rows": rows}
+    result = {"device": device, "shape": args.shape, "ceiling": ceiling, "rows": rows, "prefill": prefill}
     write_results(args.out, "bench_gpu", result, table)
     return 0
 

@@ -27,31 +27,38 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def measure_ceiling(repeats: int = 5) -> dict[str, float]:
+def measure_ceiling(repeats: int = 5, matmul_dtype=jnp.float32, matmul_side: int = 2048) -> dict[str, float]:
     """Memory bandwidth (best of repeated 1 GiB float32 reductions and matrix-vector products) and
-    float32 matmul GFLOP/s (2048^3)."""
+    matmul GFLOP/s (a square product of `matmul_side` in `matmul_dtype`).
+
+    Each timing runs enough calls back to back to last ~50 ms, so that on a fast accelerator the
+    dispatch of one call (tens of microseconds) does not count against a 0.3 ms reduction."""
     n = 2**28  # 1 GiB of float32
     x = jnp.ones((n,), jnp.float32)
     side = 2**14
     matrix, vector = x.reshape(side, side), jnp.ones((side,), jnp.float32)
-    a = jnp.ones((2048, 2048), jnp.float32)
+    a = jnp.ones((matmul_side, matmul_side), matmul_dtype)
     best = {"reduction": 0.0, "matvec": 0.0, "matmul": 0.0}
     cases = (
         (jax.jit(jnp.sum), (x,), "reduction", n * 4 / 1e9),
         (jax.jit(jnp.dot), (matrix, vector), "matvec", n * 4 / 1e9),
-        (jax.jit(jnp.matmul), (a, a), "matmul", 2 * 2048**3 / 1e9),
+        (jax.jit(jnp.matmul), (a, a), "matmul", 2 * matmul_side**3 / 1e9),
     )
     for fn, args, key, amount in cases:
         jax.block_until_ready(fn(*args))
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        calls = max(1, round(0.05 / (time.perf_counter() - start)))
         for _ in range(repeats):
             start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            best[key] = max(best[key], amount / (time.perf_counter() - start))
+            jax.block_until_ready([fn(*args) for _ in range(calls)])
+            best[key] = max(best[key], calls * amount / (time.perf_counter() - start))
     return {
         "bandwidth_gb_s": max(best["reduction"], best["matvec"]),
         "reduction_gb_s": best["reduction"],
         "matvec_gb_s": best["matvec"],
         "matmul_gflop_s": best["matmul"],
+        "matmul_dtype": jnp.dtype(matmul_dtype).name,
     }
 
 
@@ -62,6 +69,26 @@ def decode_weight_bytes(params) -> int:
     if params.lm_head is not None:
         total -= params.embed.size * params.embed.dtype.itemsize
     return total
+
+
+def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
+    """transformers `generate()` decode tokens/s (greedy, exactly `tokens` new tokens): the time of
+    a `tokens`-token generation less that of a 1-token one (the prefill)."""
+    import torch
+
+    ids = input_ids.repeat(batch, 1)
+    fixed = {"attention_mask": torch.ones_like(ids), "pad_token_id": 0, "do_sample": False}
+
+    def generate(new_tokens: int) -> float:
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **fixed)
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        generate(2)  # warm
+        prefill = generate(1)
+        total = generate(tokens)
+    return batch * (tokens - 1) / (total - prefill)
 
 
 def export_hf_from_gguf(gguf_path: str, directory: str) -> str:
