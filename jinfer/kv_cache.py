@@ -1,8 +1,12 @@
 """The preallocated key/value cache and the one function that writes into it.
 
-`KVCache` holds, per layer, K and V arrays of shape [B, S, K, H] (batch rows, cache positions,
-kv heads, head dim). A row's position p lives at index p, so attention masks by comparing
-positions and no per-row length needs to be carried on device. Arrays are allocated once at their
+`KVCache` holds, per layer, K and V arrays of shape [B, K, S, H] (batch rows, kv heads, cache
+positions, head dim). A row's position p lives at index p, so attention masks by comparing
+positions and no per-row length needs to be carried on device. With (row, kv head) outermost,
+each head's keys are one contiguous [S, H] matrix: attention's products read the cache where it
+lies, with batch dimensions leading as matrix-product kernels want them (a [B, S, K, H] layout
+cost a transposed copy of every layer's keys and values per step: 2.8x slower attention at 64
+slots on an H200, 1.5x at 8 slots on XLA:CPU). Arrays are allocated once at their
 final size; jitted steps take the cache donated and return the updated one.
 
 One array per layer (rather than one stacked [L, ...] array) keeps every update an in-place
@@ -21,12 +25,12 @@ from jinfer.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, S, K, H]
-    v: tuple[jax.Array, ...]  # per layer [B, S, K, H]
+    k: tuple[jax.Array, ...]  # per layer [B, K, S, H]
+    v: tuple[jax.Array, ...]  # per layer [B, K, S, H]
 
 
 def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, int, int, int]:
-    return (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> int:
@@ -49,21 +53,22 @@ def write_kv(
     positions: jax.Array,
     rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write new k, v [B, T, K, H] into one layer's cache at positions [B, T].
+    """Write new k, v [B, K, T, H] into one layer's cache at positions [B, T].
 
     With `rows=None` batch entry b is cache row b (decode over the first B slots): one scatter of
-    B x T entries, in place. Otherwise rows [B] names the cache row of each batch entry (prefill
+    B x K x T head vectors, in place. Otherwise rows [B] names the cache row of each batch entry (prefill
     into slots), and since positions within a row are contiguous each row is one in-place
     dynamic-update-slice starting at positions[b, 0]. The caller guarantees positions[b, 0] + T <= S:
     XLA would otherwise clamp the start and shift the write.
     """
     cache_k, cache_v = layer_kv
     if rows is None:
-        index = (jnp.arange(k.shape[0])[:, None], positions)
+        batch, heads = k.shape[:2]
+        index = (jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None], positions[:, None, :])
         return cache_k.at[index].set(k.astype(cache_k.dtype)), cache_v.at[index].set(v.astype(cache_v.dtype))
     starts = positions[:, 0]
     for b in range(k.shape[0]):  # a handful of prompts at most: unrolled
-        index = (rows[b], starts[b], 0, 0)
+        index = (rows[b], 0, starts[b], 0)
         cache_k = jax.lax.dynamic_update_slice(cache_k, k[b : b + 1].astype(cache_k.dtype), index)
         cache_v = jax.lax.dynamic_update_slice(cache_v, v[b : b + 1].astype(cache_v.dtype), index)
     return cache_k, cache_v

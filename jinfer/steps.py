@@ -263,7 +263,7 @@ def build_steps(
     replicated = NamedSharding(mesh, PartitionSpec())
     by_slot = NamedSharding(mesh, PartitionSpec(DATA))
     by_slot_row = NamedSharding(mesh, PartitionSpec(DATA, None))
-    cache_sharding = NamedSharding(mesh, PartitionSpec(DATA, None, MODEL, None))  # [S, T, K, H]
+    cache_sharding = NamedSharding(mesh, PartitionSpec(DATA, MODEL, None, None))  # [B, K, S, H]
     cache_shardings = KVCache(k=(cache_sharding,) * model.num_layers, v=(cache_sharding,) * model.num_layers)
     state_shardings = SlotState(
         tokens=by_slot,

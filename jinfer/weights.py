@@ -1,6 +1,6 @@
 """Checkpoint loading: Hugging Face safetensors, GGUF and jinfer's own orbax checkpoints.
 
-Each source yields numpy arrays under jinfer's parameter paths ("layers.3.wq", "embed", ...),
+Each source yields numpy arrays under jinfer's parameter paths ("layers.3.wqkv", "embed", ...),
 already reshaped into our layout. `assemble_params` checks every array against the
 declaration in `models.llama.param_specs` (shape mismatches and missing or unexpected tensors are
 clear errors) and moves it to the device in the requested dtype, one array at a time.
@@ -172,24 +172,45 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 def _hf_layer_tensor(suffix: str) -> tuple[str, Callable[[np.ndarray, ModelConfig], np.ndarray]] | None:
     # Our layout is Hugging Face's ([out, in]) with the head dimensions split out: reshapes only.
+    # Names with a part suffix (wqkv.q, ...) are pieces of one stacked weight (see _FUSED).
     d = lambda c: c.hidden_size
+    q = lambda c: (c.num_kv_heads, c.num_groups, c.head_dim)  # query heads grouped by kv head
+    kv = lambda c: (c.num_kv_heads, 1, c.head_dim)
     table = {
         "input_layernorm.weight": ("attn_norm", lambda w, c: w),
         "post_attention_layernorm.weight": ("mlp_norm", lambda w, c: w),
-        "self_attn.q_proj.weight": ("wq", lambda w, c: w.reshape(c.num_heads, c.head_dim, d(c))),
-        "self_attn.k_proj.weight": ("wk", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, d(c))),
-        "self_attn.v_proj.weight": ("wv", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, d(c))),
+        "self_attn.q_proj.weight": ("wqkv.q", lambda w, c: w.reshape(*q(c), d(c))),
+        "self_attn.k_proj.weight": ("wqkv.k", lambda w, c: w.reshape(*kv(c), d(c))),
+        "self_attn.v_proj.weight": ("wqkv.v", lambda w, c: w.reshape(*kv(c), d(c))),
         "self_attn.o_proj.weight": ("wo", lambda w, c: w.reshape(d(c), c.num_heads, c.head_dim)),
-        "self_attn.q_proj.bias": ("bq", lambda w, c: w.reshape(c.num_heads, c.head_dim)),
-        "self_attn.k_proj.bias": ("bk", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
-        "self_attn.v_proj.bias": ("bv", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+        "self_attn.q_proj.bias": ("bqkv.q", lambda w, c: w.reshape(q(c))),
+        "self_attn.k_proj.bias": ("bqkv.k", lambda w, c: w.reshape(kv(c))),
+        "self_attn.v_proj.bias": ("bqkv.v", lambda w, c: w.reshape(kv(c))),
         "self_attn.q_norm.weight": ("q_norm", lambda w, c: w),
         "self_attn.k_norm.weight": ("k_norm", lambda w, c: w),
-        "mlp.gate_proj.weight": ("w_gate", lambda w, c: w),
-        "mlp.up_proj.weight": ("w_up", lambda w, c: w),
+        "mlp.gate_proj.weight": ("w_gate_up.gate", lambda w, c: w[None]),
+        "mlp.up_proj.weight": ("w_gate_up.up", lambda w, c: w[None]),
         "mlp.down_proj.weight": ("w_down", lambda w, c: w),
     }
     return table.get(suffix)
+
+
+# Stacked weights: their parts, in order, and the axis they are concatenated along.
+_FUSED = {"wqkv": (("q", "k", "v"), 1), "bqkv": (("q", "k", "v"), 1), "w_gate_up": (("gate", "up"), 0)}
+
+
+def _fuse_parts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Concatenate each layer's parts into its stacked weight. An incomplete set stays under the
+    parts' names, so assemble_params reports the stacked weight missing and the parts unexpected."""
+    for name in list(arrays):
+        stacked, _, part = name.rpartition(".")
+        fused = _FUSED.get(stacked.rpartition(".")[2])
+        if fused is None or part != fused[0][0]:
+            continue
+        names = [f"{stacked}.{p}" for p in fused[0]]
+        if all(n in arrays for n in names):
+            arrays[stacked] = np.concatenate([arrays.pop(n) for n in names], axis=fused[1])
+    return arrays
 
 
 def _hf_named_arrays(cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -210,7 +231,7 @@ def _hf_named_arrays(cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]]
             out[f"layers.{m.group(1)}.{ours}"] = transform(array, cfg)
         else:
             out[name] = array  # reported by assemble_params as unexpected
-    return out
+    return _fuse_parts(out)
 
 
 def load_hf(directory: str, dtype=jnp.float32) -> LoadedModel:

@@ -25,7 +25,6 @@ import argparse
 import multiprocessing
 import sys
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +144,7 @@ def main() -> int:
     mesh = make_mesh()
     shardings = param_shardings(cfg, mesh)
     progress(f"random {args.shape} weights in {args.dtype}, on device")
-    params = jax.jit(partial(llama.init_params, cfg, dtype=dtype), out_shardings=shardings)(jax.random.key(0))
+    params = jax.device_put(llama.init_params(cfg, jax.random.key(0), dtype), shardings)
     weights = decode_weight_bytes(params)
     layers, output = matrix_params(params)
     per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize

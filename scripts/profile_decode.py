@@ -69,8 +69,12 @@ def weight_products_s(params, slots: int) -> float:
     """The decode step's weight products alone: every layer matrix and the vocabulary matrix."""
     matrices = [params.embed if params.lm_head is None else params.lm_head]
     for layer in params.layers:
-        matrices += [w.reshape(-1, w.shape[-1]) for w in (layer.wq, layer.wk, layer.wv)]
-        matrices += [layer.wo.reshape(layer.wo.shape[0], -1), layer.w_gate, layer.w_up, layer.w_down]
+        matrices += [layer.wqkv.reshape(-1, layer.wqkv.shape[-1])]
+        matrices += [
+            layer.wo.reshape(layer.wo.shape[0], -1),
+            layer.w_gate_up.reshape(-1, layer.w_gate_up.shape[-1]),
+            layer.w_down,
+        ]
 
     @jax.jit
     def products(matrices, x):

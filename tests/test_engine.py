@@ -243,7 +243,7 @@ def test_sharded_equals_unsharded(tiny_model, data, model):
     samplings = [GREEDY if s % 2 else SEEDED for s in range(8)]
     single = jinfer.LLM(directory, **options)
     sharded = jinfer.LLM(directory, mesh_data=data, mesh_model=model, **options)
-    assert len(sharded.params.layers[0].wk.sharding.device_set) == data * model
+    assert len(sharded.params.layers[0].wqkv.sharding.device_set) == data * model
     expected = [o.token_ids for o in single.generate(prompts, samplings)]
     assert [o.token_ids for o in sharded.generate(prompts, samplings)] == expected
     np.testing.assert_allclose(sharded.score([prompts[3]])[0], single.score([prompts[3]])[0], atol=1e-4)

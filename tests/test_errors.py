@@ -79,7 +79,9 @@ def test_missing_tensor_is_named(tiny_model, tmp_path):
 def test_shape_mismatch_is_named(tiny_model, tmp_path):
     target = _copy(tiny_model("llama_gqa_untied")[0], tmp_path)
     _edit_config(target, intermediate_size=96)
-    with pytest.raises(CheckpointError, match="w_gate has shape \\(128, 64\\), config expects \\(96, 64\\)"):
+    with pytest.raises(
+        CheckpointError, match="w_gate_up has shape \\(2, 128, 64\\), config expects \\(2, 96, 64\\)"
+    ):
         load_model(str(target))
 
 

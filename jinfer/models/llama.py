@@ -11,7 +11,11 @@ Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode
   * Weights are stored as Hugging Face stores them, output features first ([out..., in]), so each
     projection is one plain 2-D matrix product W[out, in] @ x[in, N] whose reshapes are free
     bitcasts. (A [heads, head_dim, d] weight contracted over two dims made XLA re-lay-out the whole
-    matrix on every step, which cost more than the product itself.)
+    matrix on every step, which cost more than the product itself.) Projections that read the same
+    input are stacked so a step reads them in one product: `wqkv` [k, g + 2, h, d] (each kv head's
+    query group, key and value: split over kv heads, a tensor-parallel shard holds whole groups) and
+    `w_gate_up` [2, f, d]. Bigger products run closer to the bandwidth (on an H200 a batch-1
+    [28672, 4096] product ran at 0.79 of it, each [14336, 4096] half at 0.57).
   * Inside the decoder, activations are feature-major columns x[D, N] (N = B * T tokens):
     XLA:CPU multiplies W @ x ~1.6x faster than x @ W^T when N is a handful of decode slots.
   * `jax.named_scope`s (qkv_proj, kv_write, attention, out_proj, mlp, logits) label the compiled
@@ -29,6 +33,7 @@ Einsum letters: b batch, t query, s key, d model, k kv-head, g group, h head_dim
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -51,17 +56,12 @@ class ParamSpec(NamedTuple):
 @struct.dataclass
 class LayerParams:
     attn_norm: jax.Array  # [d]
-    wq: jax.Array  # [n, h, d]
-    wk: jax.Array  # [k, h, d]
-    wv: jax.Array  # [k, h, d]
+    wqkv: jax.Array  # [k, g + 2, h, d]: per kv head, its g query heads, then its key and value heads
     wo: jax.Array  # [d, n, h]
     mlp_norm: jax.Array  # [d]
-    w_gate: jax.Array  # [f, d]
-    w_up: jax.Array  # [f, d]
+    w_gate_up: jax.Array  # [2, f, d]: gate and up projections stacked (one product per step)
     w_down: jax.Array  # [d, f]
-    bq: jax.Array | None = None  # [n, h]  (qwen2)
-    bk: jax.Array | None = None  # [k, h]
-    bv: jax.Array | None = None  # [k, h]
+    bqkv: jax.Array | None = None  # [k, g + 2, h]  (qwen2)
     q_norm: jax.Array | None = None  # [h]  (qwen3)
     k_norm: jax.Array | None = None  # [h]
 
@@ -77,23 +77,18 @@ class Params:
 def param_specs(cfg: ModelConfig) -> Params:
     """The one declaration of every weight, as a `Params` tree whose leaves are `ParamSpec`."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    n, k, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
     norm = lambda: ParamSpec((d,), ("embed",), "ones")
 
     def layer() -> LayerParams:
         return LayerParams(
             attn_norm=norm(),
-            wq=ParamSpec((n, h, d), ("heads", "head_dim", "embed"), "normal"),
-            wk=ParamSpec((k, h, d), ("kv_heads", "head_dim", "embed"), "normal"),
-            wv=ParamSpec((k, h, d), ("kv_heads", "head_dim", "embed"), "normal"),
+            wqkv=ParamSpec((k, g + 2, h, d), ("kv_heads", None, "head_dim", "embed"), "normal"),
             wo=ParamSpec((d, n, h), ("embed", "heads", "head_dim"), "normal"),
             mlp_norm=norm(),
-            w_gate=ParamSpec((f, d), ("mlp", "embed"), "normal"),
-            w_up=ParamSpec((f, d), ("mlp", "embed"), "normal"),
+            w_gate_up=ParamSpec((2, f, d), (None, "mlp", "embed"), "normal"),
             w_down=ParamSpec((d, f), ("embed", "mlp"), "normal"),
-            bq=ParamSpec((n, h), ("heads", "head_dim"), "zeros") if cfg.qkv_bias else None,
-            bk=ParamSpec((k, h), ("kv_heads", "head_dim"), "zeros") if cfg.qkv_bias else None,
-            bv=ParamSpec((k, h), ("kv_heads", "head_dim"), "zeros") if cfg.qkv_bias else None,
+            bqkv=ParamSpec((k, g + 2, h), ("kv_heads", None, "head_dim"), "zeros") if cfg.qkv_bias else None,
             q_norm=ParamSpec((h,), ("head_dim",), "ones") if cfg.qk_norm else None,
             k_norm=ParamSpec((h,), ("head_dim",), "ones") if cfg.qk_norm else None,
         )
@@ -121,19 +116,26 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None) -> Para
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
-    """Random weights (normal * scale, norms at 1): for tests, benchmarks and training from scratch."""
-    specs = param_specs(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    """Random weights (normal * scale, norms at 1): for tests, benchmarks and training from scratch.
+
+    Called eagerly, each distinct weight shape is one small compiled program: one program for the
+    whole tree took two minutes to compile for a Llama-3-8B shape on an H200."""
+    leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
+    dtype = jnp.dtype(dtype)
+    made = [
+        _random_leaf(k, spec.shape, spec.init, dtype, scale) for spec, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, made)
 
-    def make(spec: ParamSpec, k):
-        if spec.init == "ones":
-            return jnp.ones(spec.shape, dtype)
-        if spec.init == "zeros":
-            return jnp.zeros(spec.shape, dtype)
-        return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
 
-    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys, strict=True)])
+@partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_leaf(key: jax.Array, shape: tuple[int, ...], init: str, dtype, scale: float) -> jax.Array:
+    if init == "ones":
+        return jnp.ones(shape, dtype)
+    if init == "zeros":
+        return jnp.zeros(shape, dtype)
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------- RoPE
@@ -217,10 +219,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.
     return weight.reshape(shape) * xf.astype(x.dtype)
 
 
+def full_precision(dtype) -> jax.lax.Precision:
+    """float32 operands get float32 products. Without this, XLA on NVIDIA GPUs rounds them to TF32
+    (an H200 put logits 6e-3 off where the parity tests allow 7e-4); 16-bit operands are unaffected."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def project(w: jax.Array, x: jax.Array) -> jax.Array:
-    """w [out..., in] applied to columns x [in, N] -> [out..., N], as one 2-D matrix product."""
-    out = jnp.dot(w.reshape(-1, w.shape[-1]), x, preferred_element_type=jnp.float32).astype(x.dtype)
-    return out.reshape(*w.shape[:-1], x.shape[-1])
+    """w [out..., in] applied to columns x [in, N] -> [out..., N]: one matrix product (XLA merges the
+    leading output dims, which are contiguous), with no reshape that would cross a sharded axis."""
+    dims = (((w.ndim - 1,), (0,)), ((), ()))
+    out = jax.lax.dot_general(w, x, dims, full_precision(x.dtype), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
 
 
 @jax.named_scope("attention")
@@ -229,19 +239,21 @@ def attention(
 ) -> jax.Array:
     """Causal grouped-query attention.
 
-    q [K, G, H, B, T] (query heads grouped by kv head); k, v [B, S, K, H]; q_pos [B, T] and
-    k_pos [B, S] are absolute positions (k_pos < 0 marks an empty key slot). A key is visible when
-    k_pos <= q_pos, and also q_pos - k_pos < window when the layer has a sliding window.
-    Returns [K, G, H, B, T].
+    q [B, K, G, T, H] (query heads grouped by kv head); k, v [B, K, S, H] (the cache's layout);
+    q_pos [B, T] and k_pos [B, S] are absolute positions (k_pos < 0 marks an empty key slot). A key
+    is visible when k_pos <= q_pos, and also q_pos - k_pos < window when the layer has a sliding
+    window. Both products keep (b, k) as leading batch dimensions and contract over a trailing
+    dimension of the cache, so they read K and V in place. Returns [B, K, G, T, H].
     """
-    scores = jnp.einsum("kghbt,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(q.shape[2]))
+    precision = full_precision(v.dtype)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(q.shape[-1]))
     visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, T, S]
     if window:
         visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskh->kghbt", probs, v)
+    return jnp.einsum("bkgts,bksh->bkgth", probs, v, precision=precision)
 
 
 def _attention_block(
@@ -258,18 +270,21 @@ def _attention_block(
 ):
     """x [D, N] columns -> attention output [D, N] and the layer's updated cache."""
     b, t = positions.shape
+    groups = cfg.num_groups
     with jax.named_scope("qkv_proj"):
-        q, k, v = project(p.wq, x), project(p.wk, x), project(p.wv, x)  # [heads, h, N]
+        qkv = project(p.wqkv, x)  # [K, G + 2, h, N]
     if cfg.qkv_bias:
-        q, k, v = q + p.bq[..., None], k + p.bk[..., None], v + p.bv[..., None]
+        qkv = qkv + p.bqkv[..., None]
+    q, k, v = qkv[:, :groups], qkv[:, groups], qkv[:, groups + 1]  # [K, G, h, N], [K, h, N], [K, h, N]
     if cfg.qk_norm:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, axis=-2)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, axis=-2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv_heads, h = k.shape[0], k.shape[1]
-    q = q.reshape(kv_heads, cfg.num_groups, h, b, t)
-    k = k.reshape(kv_heads, h, b, t).transpose(2, 3, 0, 1)  # [B, T, K, H]: the cache's layout
-    v = v.reshape(kv_heads, h, b, t).transpose(2, 3, 0, 1)
+    # Heads-major columns to attention's [B, K, (G,) T, H]: small transposes of this step's tokens.
+    q = q.reshape(kv_heads, groups, h, b, t).transpose(3, 0, 1, 4, 2)
+    k = k.reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1)
+    v = v.reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1)
     if cache_kv is None:
         out = attention(q, k, v, positions, positions, window)
         new_kv = None
@@ -278,19 +293,20 @@ def _attention_block(
             cache_k, cache_v = write_kv(cache_kv, k, v, positions, rows)
         keys, values = (cache_k[:b], cache_v[:b]) if rows is None else (cache_k[rows], cache_v[rows])
         if attn_len is not None:  # the caller knows no position at or past attn_len is in use
-            keys, values = keys[:, :attn_len], values[:, :attn_len]
-        cache_positions = jnp.arange(keys.shape[1], dtype=positions.dtype)
+            keys, values = keys[:, :, :attn_len], values[:, :, :attn_len]
+        cache_positions = jnp.arange(keys.shape[2], dtype=positions.dtype)
         k_pos = jnp.broadcast_to(cache_positions, (b, cache_positions.shape[0]))
         out = attention(q, keys, values, positions, k_pos, window)
         new_kv = (cache_k, cache_v)
-    heads_out = out.reshape(-1, b * t)  # [n * h, N], heads in Hugging Face order
+    heads_out = out.transpose(1, 2, 4, 0, 3).reshape(-1, b * t)  # [n * h, N], heads in Hugging Face order
     with jax.named_scope("out_proj"):
         return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), new_kv
 
 
 @jax.named_scope("mlp")
 def _mlp_block(p: LayerParams, x: jax.Array) -> jax.Array:
-    return project(p.w_down, jax.nn.silu(project(p.w_gate, x)) * project(p.w_up, x))
+    gate, up = project(p.w_gate_up, x)
+    return project(p.w_down, jax.nn.silu(gate) * up)
 
 
 def forward(
@@ -340,7 +356,7 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
     """
     weight = params.embed if params.lm_head is None else params.lm_head
     columns = hidden.reshape(-1, hidden.shape[-1]).T
-    out = jnp.dot(weight, columns, preferred_element_type=jnp.float32)  # [V, N]
+    out = jnp.dot(weight, columns, precision=full_precision(weight.dtype), preferred_element_type=jnp.float32)
     # The barrier stops XLA from folding the transpose into the product: for 2-4 columns the
     # folded form picks a kernel ~15x slower than this one plus a small transpose.
     out = jax.lax.optimization_barrier(out)
