@@ -230,18 +230,17 @@ class Scheduler:
         Results for a request that finished meanwhile (the device ran ahead) are ignored.
         """
         now = time.perf_counter()
+        tokens_by_row, bad_by_row = tokens.T.tolist(), bad.T.tolist()  # Python ints and bools at once
         for row, request in enumerate(owners):
             if request is None:
                 continue
-            for step in range(tokens.shape[0]):
+            for step, (token, is_bad) in enumerate(zip(tokens_by_row[row], bad_by_row[row], strict=True)):
                 if request.finished:
                     break
                 entry = None
                 if logprobs is not None and request.sampling.logprobs is not None:
-                    entry = _logprob_entry(
-                        logprobs, step, row, int(tokens[step, row]), request.sampling.logprobs
-                    )
-                self._accept(request, int(tokens[step, row]), bool(bad[step, row]), entry, now)
+                    entry = _logprob_entry(logprobs, step, row, token, request.sampling.logprobs)
+                self._accept(request, token, is_bad, entry, now)
 
     def fail(self, requests: list[Request], message: str) -> None:
         for request in requests:
