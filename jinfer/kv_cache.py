@@ -4,10 +4,11 @@
 positions, head dim). A row's position p lives at index p, so attention masks by comparing
 positions and no per-row length needs to be carried on device. With (row, kv head) outermost,
 each head's keys are one contiguous [S, H] matrix: attention's products read the cache where it
-lies, with batch dimensions leading as matrix-product kernels want them (a [B, S, K, H] layout
-cost a transposed copy of every layer's keys and values per step: 2.8x slower attention at 64
-slots on an H200, 1.5x at 8 slots on XLA:CPU). Arrays are allocated once at their
-final size; jitted steps take the cache donated and return the updated one.
+lies, with batch dimensions leading as matrix-product kernels want them. (A [B, S, K, H] layout
+cost a transposed copy of every layer's keys and values per step; in a microbenchmark of
+attention alone it was 2.8x slower at 64 slots on an H200 and 1.5x at 8 slots on XLA:CPU.)
+Arrays are allocated once at their final size; jitted steps take the cache donated and return
+the updated one.
 
 One array per layer (rather than one stacked [L, ...] array) keeps every update an in-place
 dynamic-update-slice of that layer's buffer, with no slicing copies in the unrolled layer loop.
@@ -56,8 +57,8 @@ def write_kv(
     """Write new k, v [B, K, T, H] into one layer's cache at positions [B, T].
 
     With `rows=None` batch entry b is cache row b (decode over the first B slots): one scatter of
-    B x K x T head vectors, in place. Otherwise rows [B] names the cache row of each batch entry (prefill
-    into slots), and since positions within a row are contiguous each row is one in-place
+    B x K x T head vectors, in place. Otherwise rows [B] names the cache row of each batch entry
+    (prefill into slots), and since positions within a row are contiguous each row is one in-place
     dynamic-update-slice starting at positions[b, 0]. The caller guarantees positions[b, 0] + T <= S:
     XLA would otherwise clamp the start and shift the write.
     """

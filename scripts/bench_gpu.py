@@ -2,7 +2,7 @@
 MBU and MFU, prefill MFU, and transformers on the same device as the peer.
 
 Meant for the rare session with an accelerator (an H200 here); nothing else depends on it.
-scripts/gpu_check.sh runs it after a GPU smoke test. It builds the model with random weights
+scripts/gpu_check.sh runs it, then a GPU smoke test. It builds the model with random weights
 directly on the device (no files), then times jinfer's own compiled steps:
   * decode: all slots busy at `--context` positions, `decode_steps` steps per call, called back to
     back; MBU = (weight bytes + K/V bytes of the attention bucket) / step time / bandwidth, and
