@@ -311,15 +311,17 @@ class Engine:
     def _commit(self, owners: list[Request | None], out) -> None:
         want_logprobs = any(r is not None and r.sampling.logprobs is not None for r in owners)
         # Only what the requests use crosses to the host: each array fetched costs host time.
-        fields = ("tokens", "bad", "logprobs", "top_ids", "top_logprobs")[: 5 if want_logprobs else 2]
+        wanted = [out.tokens, out.bad] + (
+            [out.logprobs, out.top_ids, out.top_logprobs] if want_logprobs else []
+        )
         try:
-            host = dict(zip(fields, jax.device_get([getattr(out, f) for f in fields]), strict=True))
+            tokens, bad, *extra = jax.device_get(wanted)
         except Exception as e:  # an asynchronous device failure surfaces here
             self._recover([r for r in owners if r is not None], e)
             return
-        logprobs = {f: host[f] for f in fields[2:]} if want_logprobs else None
+        logprobs = dict(zip(("logprobs", "top_ids", "top_logprobs"), extra, strict=True)) if extra else None
         with self._lock:
-            self.scheduler.commit(owners, np.asarray(host["tokens"]), np.asarray(host["bad"]), logprobs)
+            self.scheduler.commit(owners, np.asarray(tokens), np.asarray(bad), logprobs)
             poisoned, self.scheduler.poisoned_slots = self.scheduler.poisoned_slots, []
             self._lock.notify_all()
         for slot in poisoned:  # before the next plan can give the slot to someone else

@@ -288,6 +288,7 @@ def build_steps(
             donate_argnums=(1, 2),
         )
 
+    by_len = {n: jit_decode(n) for n in engine.attention_buckets}
     return Steps(
         model=model,
         engine=engine,
@@ -301,11 +302,7 @@ def build_steps(
         ),
         # One jitted function per attention bucket serves every slot bucket (the active mask's
         # length); the dict names each compiled pair so the engine and warm-up agree on them.
-        decode={
-            (rows, n): decode_for_len
-            for n, decode_for_len in ((n, jit_decode(n)) for n in engine.attention_buckets)
-            for rows in engine.slot_buckets
-        },
+        decode={(rows, n): by_len[n] for n in engine.attention_buckets for rows in engine.slot_buckets},
         clear_slot=jax.jit(
             _clear_slot,
             in_shardings=(cache_shardings, replicated),

@@ -37,6 +37,7 @@ from benchlib import (
     llama_cpp_f32_gguf,
     markdown_table,
     measure_ceiling,
+    prefill_flops,
     progress,
     pyplot,
     random_llama_dir,
@@ -45,6 +46,7 @@ from benchlib import (
 )
 
 import jinfer
+from jinfer.kv_cache import cache_bytes
 from jinfer.weights import default_model_path
 
 PREFILL_TOKENS = 256
@@ -74,34 +76,16 @@ def jinfer_prefill_s(llm: jinfer.LLM, ids: list[int]) -> tuple[float, int]:
     return best, llm.engine.compile_count() - before
 
 
-def model_bytes(llm: jinfer.LLM) -> tuple[int, int]:
-    """(weight bytes a decode step reads, K/V bytes per cached position and slot)."""
-    params = llm.engine.params
-    cfg = llm.engine.steps.model
-    weights = decode_weight_bytes(params)
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * params.final_norm.dtype.itemsize
-    return weights, per_position
-
-
 def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) -> tuple[float, float]:
     """(bytes a step must read, bytes it reads) at the mid-point of the decode."""
-    weights, per_position = model_bytes(llm)
+    params = llm.engine.params
+    weights = decode_weight_bytes(params)
+    per_position = cache_bytes(llm.engine.steps.model, 1, 1, params.final_norm.dtype)  # K and V, one slot
     engine = llm.engine.config
     filled = prompt_len + tokens / 2
     reach = min(filled + 2 * engine.decode_steps + 1, engine.cache_len)
     bucket = next(b for b in engine.attention_buckets if b >= reach)
     return weights + slots * filled * per_position, weights + slots * bucket * per_position
-
-
-def prefill_flops(llm: jinfer.LLM, tokens: int) -> float:
-    """Useful FLOPs of a prefill: weight products for every token, causal attention, one logits row."""
-    cfg = llm.engine.steps.model
-    weights, _ = model_bytes(llm)
-    params = llm.engine.params
-    vocab_matrix = (params.lm_head if params.lm_head is not None else params.embed).size
-    layer_matrices = weights // params.final_norm.dtype.itemsize - vocab_matrix
-    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # QK + PV, causal
-    return 2 * layer_matrices * tokens + attention + 2 * vocab_matrix
 
 
 class LlamaCpp:
@@ -179,7 +163,7 @@ def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceilin
                 row[f"vs_{name}"] = best["tokens_per_s"] / rate
             ids = (llm.tokenizer.encode(PROMPT * 64))[:PREFILL_TOKENS]
             seconds, compiles = jinfer_prefill_s(llm, ids)
-            flops = prefill_flops(llm, len(ids))
+            flops = prefill_flops(llm.engine.steps.model, llm.engine.params, len(ids))
             prefill = {
                 "tokens": len(ids),
                 "seconds": seconds,

@@ -30,15 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from benchlib import (
+    attention_flops,
     decode_weight_bytes,
     markdown_table,
+    matrix_params,
     measure_ceiling,
+    prefill_flops,
     progress,
     transformers_decode,
     write_results,
 )
 
 from jinfer.config import EngineConfig, ModelConfig
+from jinfer.kv_cache import cache_bytes
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
@@ -79,17 +83,6 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
     return {slots: transformers_decode(model, ids, slots, tokens) for slots in slot_counts}
 
 
-def matrix_params(params) -> tuple[int, int]:
-    """(weights in all layers, the output projection): what a token's matrix products multiply."""
-    layers = sum(a.size for a in jax.tree.leaves(params.layers))
-    return layers, (params.lm_head if params.lm_head is not None else params.embed).size
-
-
-def attention_flops(cfg: ModelConfig, queries: int, keys: int) -> int:
-    """QK^T and PV for `queries` query positions against `keys` key positions."""
-    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
-
-
 def bench_prefill(cfg, steps, params, cache, state, tokens: int, calls: int, peak_flop_s: float) -> dict:
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
@@ -100,8 +93,7 @@ def bench_prefill(cfg, steps, params, cache, state, tokens: int, calls: int, pea
         cache, state, out = steps.prefill(params, cache, state, chunk)
         out.tokens.block_until_ready()
         best = min(best, time.perf_counter() - start)
-    layers, output = matrix_params(params)
-    flops = 2 * layers * tokens + 2 * output + attention_flops(cfg, tokens, tokens) // 2  # causal
+    flops = prefill_flops(cfg, params, tokens)
     return {
         "tokens": tokens,
         "ms": best * 1e3,
@@ -147,7 +139,7 @@ def main() -> int:
     params = jax.device_put(llama.init_params(cfg, jax.random.key(0), dtype), shardings)
     weights = decode_weight_bytes(params)
     layers, output = matrix_params(params)
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    per_position = cache_bytes(cfg, 1, 1, dtype)  # K and V of one position in one slot
     rows, prefill = [], None
     for slots in slot_counts:
         engine = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)

@@ -91,6 +91,23 @@ def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
     return batch * (tokens - 1) / (total - prefill)
 
 
+def matrix_params(params) -> tuple[int, int]:
+    """(weights in all layers, the output projection): what each token's matrix products multiply."""
+    layers = sum(a.size for a in jax.tree.leaves(params.layers))
+    return layers, (params.lm_head if params.lm_head is not None else params.embed).size
+
+
+def attention_flops(cfg, queries: int, keys: int) -> int:
+    """QK^T and PV for `queries` query positions against `keys` key positions (no causal saving)."""
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
+
+
+def prefill_flops(cfg, params, tokens: int) -> int:
+    """Useful FLOPs of one prefill: weight products for every token, causal attention, one logits row."""
+    layers, output = matrix_params(params)
+    return 2 * layers * tokens + 2 * output + attention_flops(cfg, tokens, tokens) // 2
+
+
 def export_hf_from_gguf(gguf_path: str, directory: str) -> str:
     """A float32 Hugging Face directory holding exactly the GGUF's (dequantized) weights and its
     tokenizer: what transformers and llama.cpp's converter read."""
