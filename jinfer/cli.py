@@ -32,7 +32,7 @@ def _generate(args) -> int:
     engine, cache_mib = llm.engine.config, llm.engine.cache_bytes / 2**20
     print(
         f"loaded {name} in {time.perf_counter() - t0:.1f} s; KV cache {cache_mib:.0f} MiB "
-        f"({engine.max_slots} slots x {engine.cache_len} positions, {engine.dtype})",
+        f"({engine.max_slots} slots x {engine.max_seq_len} positions, {engine.dtype})",
         file=sys.stderr,
     )
     sampling = jinfer.SamplingParams(

@@ -329,6 +329,10 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)
     prefill_token_budget: int = 512  # prompt tokens prefilled per engine iteration (at least one chunk)
     decode_steps: int = 4  # decode steps per dispatch (lax.scan)
+    # While requests are decoding, prompts are prefilled this many tokens at a time inside the decode
+    # dispatches (one chunk per dispatch, sharing its weight reads), so streams keep a steady pace
+    # when prompts arrive. 0: prompts always get dispatches of their own (better time to first token).
+    mixed_prefill_tokens: int = 0
     dtype: str = "float32"
     mesh_data: int = 1  # devices along the data axis (slots are split over it)
     mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)
@@ -340,6 +344,10 @@ class EngineConfig:
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 0:
+            raise ValueError(
+                f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}"
+            )
         # No bucket longer than a slot: a short window gets a cache of exactly its length.
         buckets = tuple(sorted({min(b, self.max_seq_len) for b in self.prefill_buckets}))
         if not buckets or buckets[0] < 1:
@@ -360,7 +368,7 @@ class EngineConfig:
     @property
     def attention_buckets(self) -> tuple[int, ...]:
         """Decode attends over the first `bucket` cache positions: the smallest that holds every slot."""
-        return _geometric_buckets(64, 2, self.cache_len)
+        return _geometric_buckets(64, 2, self.max_seq_len)
 
     @property
     def slot_buckets(self) -> tuple[int, ...]:
@@ -373,8 +381,3 @@ class EngineConfig:
         if self.mesh_data > 1:
             return (self.max_slots,)
         return _geometric_buckets(1, 4, self.max_slots)
-
-    @property
-    def cache_len(self) -> int:
-        """Cache positions per slot: max_seq_len rounded up so a padded last chunk always fits."""
-        return -(-self.max_seq_len // self.chunk_len) * self.chunk_len

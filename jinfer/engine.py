@@ -30,7 +30,15 @@ from jinfer.config import EngineConfig
 from jinfer.context import fit_prompt
 from jinfer.kv_cache import cache_bytes
 from jinfer.sampling import SamplingArrays, SamplingParams
-from jinfer.scheduler import Plan, QueueFullError, Request, RequestOutput, Scheduler, TextStream
+from jinfer.scheduler import (
+    Plan,
+    PrefillWork,
+    QueueFullError,
+    Request,
+    RequestOutput,
+    Scheduler,
+    TextStream,
+)
 from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
 from jinfer.steps import MAX_LOGIT_BIAS, MAX_STOP_IDS, build_steps, prefill_chunk_arrays
 from jinfer.weights import LoadedModel
@@ -79,13 +87,18 @@ class Engine:
         padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
         shardings = param_shardings(padded_cfg, self.mesh)
         self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
-        self.cache_bytes = cache_bytes(padded_cfg, config.max_slots, config.cache_len, self.dtype)
+        self.cache_bytes = cache_bytes(padded_cfg, config.max_slots, config.max_seq_len, self.dtype)
         self._check_memory()
         self.steps = build_steps(padded_cfg, config, self.mesh, shardings, loaded.config.vocab_size)
         self.cache = self.steps.new_cache(self.dtype)
         self.state = self.steps.new_state()
         self.scheduler = Scheduler(
-            self.tokenizer, config.max_slots, config.max_queue, config.chunk_len, config.prefill_token_budget
+            self.tokenizer,
+            config.max_slots,
+            config.max_queue,
+            config.chunk_len,
+            config.prefill_token_budget,
+            config.mixed_prefill_tokens,
         )
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
         self._lock = threading.Condition()
@@ -94,7 +107,7 @@ class Engine:
         log.info(
             "engine: %d slots x %d positions, KV cache %.1f MiB (%s), mesh data=%d model=%d",
             config.max_slots,
-            config.cache_len,
+            config.max_seq_len,
             self.cache_bytes / 2**20,
             config.dtype,
             config.mesh_data,
@@ -110,7 +123,7 @@ class Engine:
             return
         per_slot = self.cache_bytes / cfg.max_slots
         fit_slots = int(allowed // per_slot)
-        fit_len = int(allowed // (self.cache_bytes / cfg.cache_len))
+        fit_len = int(allowed // (self.cache_bytes / cfg.max_seq_len))
         raise ValueError(
             f"the KV cache for max_slots={cfg.max_slots} x max_seq_len={cfg.max_seq_len} needs "
             f"{self.cache_bytes / 2**30:.2f} GiB but only {allowed / 2**30:.2f} GiB is available "
@@ -129,6 +142,13 @@ class Engine:
         for (rows, _), decode in self.steps.decode.items():
             active = np.zeros(rows, bool)
             self.cache, self.state, out = decode(self.params, self.cache, self.state, active, np.False_)
+        size = self.config.mixed_prefill_tokens
+        chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab, False)
+        for (rows, _), mixed in self.steps.mixed.items():
+            active = np.zeros(rows, bool)
+            self.cache, self.state, out, _ = mixed(
+                self.params, self.cache, self.state, active, np.False_, chunk
+            )
         self.cache = self.steps.clear_slot(self.cache, np.int32(0))
         jax.block_until_ready((out, self.cache))
         return time.perf_counter() - start
@@ -257,56 +277,69 @@ class Engine:
 
     def _dispatch(self, plan: Plan) -> list:
         dispatched = []
-        vocab = self.steps.vocab_size
         for work in plan.prefills:
-            request = work.request
             size = next(b for b in self.config.prefill_buckets if b >= len(work.tokens))
-            tokens = np.zeros(size, np.int32)
-            tokens[: len(work.tokens)] = work.tokens
-            sp = request.sampling
-            chunk = prefill_chunk_arrays(
-                tokens,
-                work.slot,
-                work.start,
-                len(work.tokens),
-                sp.min_tokens,
-                sp.logit_bias or {},
-                sorted(request.stop_ids),
-                SamplingArrays.from_params([sp], [request.seed]),
-                vocab,
-                sp.logprobs is not None,
-            )
             try:
-                self.cache, self.state, out = self.steps.prefill(self.params, self.cache, self.state, chunk)
+                self.cache, self.state, out = self.steps.prefill(
+                    self.params, self.cache, self.state, self._chunk_arrays(work, size)
+                )
             except Exception as e:  # a device failure must not kill the engine
-                self._recover([request], e)
+                self._recover([work.request], e)
                 continue
             if work.last:
-                dispatched.append(([request], out))
-        if plan.decodes:
-            busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
-            rows = next(b for b in self.config.slot_buckets if b > busy[-1])
-            owners = plan.decode_owners[:rows]
-            active = np.array([r is not None for r in owners])
-            running = [r for r in owners if r is not None]
-            want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in running))
-            # The device may be one dispatch ahead of what the host has read, and this dispatch
-            # adds decode_steps more positions: attend over a bucket that surely holds them all.
-            furthest = (
-                max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * self.config.decode_steps + 1
-            )
-            attn_len = next(
-                b for b in self.config.attention_buckets if b >= min(furthest, self.config.cache_len)
-            )
-            try:
-                self.cache, self.state, out = self.steps.decode[rows, attn_len](
-                    self.params, self.cache, self.state, active, want_logprobs
-                )
-            except Exception as e:
-                self._recover(running, e)
+                dispatched.append(([work.request], out))
+        if not plan.decodes:
+            return dispatched
+        busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
+        rows = next(b for b in self.config.slot_buckets if b > busy[-1])
+        owners = plan.decode_owners[:rows]
+        active = np.array([r is not None for r in owners])
+        running = [r for r in owners if r is not None]
+        want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in running))
+        # The device may be one dispatch ahead of what the host has read, and this dispatch adds
+        # decode_steps more positions: attend over a bucket that surely holds them all (and the
+        # carried prompt chunk's positions).
+        furthest = (
+            max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * self.config.decode_steps + 1
+        )
+        fused = plan.fused
+        if fused is not None:
+            furthest = max(furthest, fused.start + len(fused.tokens))
+        attn_len = next(
+            b for b in self.config.attention_buckets if b >= min(furthest, self.config.max_seq_len)
+        )
+        args = (self.params, self.cache, self.state, active, want_logprobs)
+        try:
+            if fused is None:
+                self.cache, self.state, out = self.steps.decode[rows, attn_len](*args)
             else:
-                dispatched.append((owners, out))
+                chunk = self._chunk_arrays(fused, self.config.mixed_prefill_tokens)
+                self.cache, self.state, out, chunk_out = self.steps.mixed[rows, attn_len](*args, chunk)
+        except Exception as e:
+            self._recover(running + ([fused.request] if fused is not None else []), e)
+            return dispatched
+        dispatched.append((owners, out))
+        if fused is not None and fused.last:
+            dispatched.append(([fused.request], chunk_out))
         return dispatched
+
+    def _chunk_arrays(self, work: PrefillWork, size: int):
+        """The device arrays of one prompt chunk, padded to `size` tokens."""
+        tokens = np.zeros(size, np.int32)
+        tokens[: len(work.tokens)] = work.tokens
+        request, sp = work.request, work.request.sampling
+        return prefill_chunk_arrays(
+            tokens,
+            work.slot,
+            work.start,
+            len(work.tokens),
+            sp.min_tokens,
+            sp.logit_bias or {},
+            sorted(request.stop_ids),
+            SamplingArrays.from_params([sp], [request.seed]),
+            self.steps.vocab_size,
+            sp.logprobs is not None,
+        )
 
     def _commit(self, owners: list[Request | None], out) -> None:
         want_logprobs = any(r is not None and r.sampling.logprobs is not None for r in owners)

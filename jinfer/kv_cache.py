@@ -54,22 +54,16 @@ def write_kv(
     positions: jax.Array,
     rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write new k, v [B, K, T, H] into one layer's cache at positions [B, T].
+    """Write new k, v [B, K, T, H] into one layer's cache at positions [B, T], in place.
 
-    With `rows=None` batch entry b is cache row b (decode over the first B slots): one scatter of
-    B x K x T head vectors, in place. Otherwise rows [B] names the cache row of each batch entry
-    (prefill into slots), and since positions within a row are contiguous each row is one in-place
-    dynamic-update-slice starting at positions[b, 0]. The caller guarantees positions[b, 0] + T <= S:
-    XLA would otherwise clamp the start and shift the write.
+    Batch entry b goes to cache row rows[b] (rows=None: row b, as decode over the first B slots
+    does). One scatter of B x K x T head vectors; positions past the cache are dropped, so a padded
+    prompt chunk may run past the end of a slot (its padding is never read: a position becomes
+    visible only once a real token has been written there).
     """
     cache_k, cache_v = layer_kv
-    if rows is None:
-        batch, heads = k.shape[:2]
-        index = (jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None], positions[:, None, :])
-        return cache_k.at[index].set(k.astype(cache_k.dtype)), cache_v.at[index].set(v.astype(cache_v.dtype))
-    starts = positions[:, 0]
-    for b in range(k.shape[0]):  # a handful of prompts at most: unrolled
-        index = (rows[b], 0, starts[b], 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k[b : b + 1].astype(cache_k.dtype), index)
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v[b : b + 1].astype(cache_v.dtype), index)
-    return cache_k, cache_v
+    batch, heads = k.shape[:2]
+    rows = jnp.arange(batch) if rows is None else rows
+    index = (rows[:, None, None], jnp.arange(heads)[None, :, None], positions[:, None, :])
+    write = lambda cache, new: cache.at[index].set(new.astype(cache.dtype), mode="drop")
+    return write(cache_k, k), write(cache_v, v)

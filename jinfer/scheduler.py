@@ -139,8 +139,9 @@ class PrefillWork:
 
 @dataclasses.dataclass
 class Plan:
-    prefills: list[PrefillWork]
+    prefills: list[PrefillWork]  # chunks dispatched on their own, before the decode dispatch
     decode_owners: list[Request | None]  # per slot; None = inactive this dispatch
+    fused: PrefillWork | None = None  # a chunk carried by the decode dispatch (mixed prefill)
 
     @property
     def decodes(self) -> bool:
@@ -149,12 +150,19 @@ class Plan:
 
 class Scheduler:
     def __init__(
-        self, tokenizer: Tokenizer, max_slots: int, max_queue: int, chunk_len: int, token_budget: int
+        self,
+        tokenizer: Tokenizer,
+        max_slots: int,
+        max_queue: int,
+        chunk_len: int,
+        token_budget: int,
+        mixed_chunk_len: int = 0,
     ):
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.chunk_len = chunk_len
         self.token_budget = token_budget
+        self.mixed_chunk_len = mixed_chunk_len  # 0: prompts are never carried by decode dispatches
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.by_id: dict[str, Request] = {}
@@ -187,7 +195,13 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- engine side
     def plan(self) -> Plan:
-        """Apply cancellations, continue and admit prefills within the token budget, list decoders."""
+        """Apply cancellations, schedule prompt chunks, list decoders.
+
+        Prompt chunks go to requests part-way through a long prompt first, then to new admissions.
+        With mixed prefill on and some request decoding, one chunk of at most `mixed_chunk_len`
+        tokens rides along the decode dispatch; otherwise chunks of up to `chunk_len` are
+        dispatched on their own, within the iteration's token budget.
+        """
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             self._finish(request, "abort")
@@ -195,28 +209,39 @@ class Scheduler:
             if request is not None and request.cancelled and not request.finished:
                 self._finish(request, "abort")
 
+        owners = [r if r is not None and r.running else None for r in self.slots]
+        if self.mixed_chunk_len and any(owners):
+            fused = next(self._needing_prefill(), None)
+            return Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len))
         prefills: list[PrefillWork] = []
         budget = self.token_budget
-        # Requests part-way through a long prompt go first, then new admissions.
+        for request in self._needing_prefill():
+            prefills.append(self._next_chunk(request, self.chunk_len))
+            budget -= len(prefills[-1].tokens)
+            if budget <= 0:
+                break
+        # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
+        # (the device runs the prefill first).
+        return Plan(prefills, [r if r is not None and r.running else None for r in self.slots])
+
+    def _needing_prefill(self):
+        """Requests with prompt left to prefill: those part-way through first, then admissions
+        (each admitted when its turn comes, into the lowest free slot)."""
         for request in self.slots:
-            if request is not None and request.prefilled < len(request.prompt_ids) and budget > 0:
-                budget -= self._schedule_chunk(request, prefills)
-        while self.waiting and budget > 0 and None in self.slots:
+            if request is not None and request.prefilled < len(request.prompt_ids):
+                yield request
+        while self.waiting and None in self.slots:
             request = self.waiting.popleft()
             slot = self.slots.index(None)
             self.slots[slot], request.slot = request, slot
             request.admitted_at = time.perf_counter()
-            budget -= self._schedule_chunk(request, prefills)
-        owners = [r if r is not None and r.running else None for r in self.slots]
-        return Plan(prefills, owners)
+            yield request
 
-    def _schedule_chunk(self, request: Request, prefills: list[PrefillWork]) -> int:
+    def _next_chunk(self, request: Request, max_len: int) -> PrefillWork:
         start = request.prefilled
-        chunk = request.prompt_ids[start : start + self.chunk_len]
+        chunk = request.prompt_ids[start : start + max_len]
         request.prefilled += len(chunk)
-        last = request.prefilled == len(request.prompt_ids)
-        prefills.append(PrefillWork(request, request.slot, start, chunk, last))
-        return len(chunk)
+        return PrefillWork(request, request.slot, start, chunk, request.prefilled == len(request.prompt_ids))
 
     def commit(
         self,

@@ -1,6 +1,6 @@
 """The jitted device steps, built once per (model config, engine config, mesh).
 
-Two verbs touch the preallocated cache, both with the cache and slot state donated:
+Three verbs touch the preallocated cache, all with the cache and slot state donated:
 
   prefill(params, cache, state, chunk) -> cache, state, out
       One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
@@ -12,6 +12,11 @@ Two verbs touch the preallocated cache, both with the cache and slot state donat
       `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
       slot's last token, samples the next one per slot and keeps it on device for the following
       step. Inactive slots among them compute too (shapes are fixed) but do not advance.
+  mixed[rows, attn_len](params, cache, state, active, want_logprobs, chunk) -> ..., out, chunk_out
+      One decode step that also prefills a prompt chunk (padded to `mixed_prefill_tokens`) into
+      another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
+      arriving while others stream stretches their next step a little instead of inserting a
+      whole prefill dispatch between two of their tokens.
 
 One compiled decode per (rows, attn_len) bucket pair: `rows` (a slot-count bucket covering the
 highest busy slot; the scheduler fills the lowest free slot first) keeps a lightly loaded engine
@@ -110,16 +115,24 @@ def _choose(logits, prompt_mask, counts, bias, banned, sampling, positions, want
     return token, StepOutput(token, bad, chosen, top_ids, top_values)
 
 
-def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, cfg, vocab):
-    length, slot = chunk.length, chunk.slot
-    t = chunk.tokens.shape[1]
-    positions = chunk.start + jnp.arange(t, dtype=jnp.int32)[None, :]
-    hidden, cache = llama.forward(params, chunk.tokens, positions, cfg, cache, rows=slot[None])
-    last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
-    logits = llama.logits(params, last)[:, :vocab]  # [1, V]
+def _chunk_group(chunk: PrefillChunk) -> llama.TokenGroup:
+    positions = chunk.start + jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)[None, :]
+    return llama.TokenGroup(chunk.tokens, positions, chunk.slot[None])
 
-    # The slot's state row: chunks after the first add their tokens to the prompt mask.
-    real = jnp.arange(t) < length
+
+def _last_real(hidden: jax.Array, chunk: PrefillChunk) -> jax.Array:
+    """The hidden state [1, D] of the chunk's last real token (its logits give the next token)."""
+    return jax.lax.dynamic_index_in_dim(hidden, chunk.length - 1, axis=1, keepdims=False)
+
+
+def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab: int):
+    """Sample a token from a prompt chunk's last logits [1, V] and (re)initialise the slot's state row.
+
+    Chunks after a prompt's first add their tokens to the slot's prompt mask; the token sampled
+    after the last chunk is the request's first output token (earlier chunks' are discarded).
+    """
+    slot, length = chunk.slot, chunk.length
+    real = jnp.arange(chunk.tokens.shape[1]) < length
     prompt_row = jnp.where(chunk.start == 0, False, state.prompt_mask[slot])
     prompt_row = prompt_row.at[jnp.where(real, chunk.tokens[0], vocab)].set(True, mode="drop")
     bias_row = jnp.zeros((vocab,), jnp.float32).at[chunk.bias_ids].set(chunk.bias_values, mode="drop")
@@ -149,25 +162,50 @@ def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, c
         stop_mask=set_row(state.stop_mask, stop_row),
         sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, chunk.sampling),
     )
-    return cache, state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
+    return state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _decode(params, cache: KVCache, state: SlotState, active, want_logprobs, *, cfg, vocab, steps, attn_len):
+def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, cfg, vocab):
+    (hidden,), cache = llama.forward_groups(params, (_chunk_group(chunk),), cfg, cache)
+    logits = llama.logits(params, _last_real(hidden, chunk))[:, :vocab]  # [1, V]
+    state, out = _start_slot(state, chunk, logits, vocab)
+    return cache, state, out
+
+
+def _decode(
+    params,
+    cache: KVCache,
+    state: SlotState,
+    active,
+    want_logprobs,
+    chunk: PrefillChunk | None = None,
+    *,
+    cfg,
+    vocab,
+    steps,
+    attn_len,
+):
+    """`steps` decode steps for slots 0..rows-1; with a prompt chunk, one step that also prefills it.
+
+    Returns the cache, the state and the decode output [steps, rows], plus the chunk's output
+    [1, 1] when there is a chunk.
+    """
     rows = active.shape[0]  # slots 0..rows-1 take part; the state of the others is left alone
     all_state = state
     state = jax.tree.map(lambda a: a[:rows], state)
     advance = active.astype(jnp.int32)
 
-    def step(carry, _):
-        cache, state = carry
-        hidden, cache = llama.forward(
-            params, state.tokens[:, None], state.positions[:, None], cfg, cache, attn_len=attn_len
-        )
-        logits = llama.logits(params, hidden[:, 0])[:, :vocab]  # [S, V]
+    def step(cache, state, chunk):
+        groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None])]
+        if chunk is not None:
+            groups.append(_chunk_group(chunk))
+        hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len)
+        last = [hidden[0][:, 0]] + ([_last_real(hidden[1], chunk)] if chunk is not None else [])
+        logits = llama.logits(params, jnp.concatenate(last))[:, :vocab]  # one lm_head pass, [rows (+1), V]
         banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
         next_positions = state.positions + 1
         token, out = _choose(
-            logits,
+            logits[:rows],
             state.prompt_mask,
             state.counts,
             state.bias,
@@ -182,13 +220,25 @@ def _decode(params, cache: KVCache, state: SlotState, active, want_logprobs, *, 
             generated=state.generated + advance,
             counts=state.counts.at[jnp.arange(rows), token].add(advance),
         )
-        return (cache, state), out
+        return cache, state, out, logits[rows:]
 
-    (cache, state), outs = jax.lax.scan(step, (cache, state), None, length=steps)
+    if chunk is None:
+
+        def scan_step(carry, _):
+            cache, state, out, _ = step(*carry, None)
+            return (cache, state), out
+
+        (cache, state), outs = jax.lax.scan(scan_step, (cache, state), None, length=steps)
+    else:
+        cache, state, out, chunk_logits = step(cache, state, chunk)
+        outs = jax.tree.map(lambda x: x[None], out)
     state = jax.tree.map(
         lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0), all_state, state
     )
-    return cache, state, outs
+    if chunk is None:
+        return cache, state, outs
+    state, chunk_out = _start_slot(state, chunk, chunk_logits, vocab)  # after the decode rows' update
+    return cache, state, outs, chunk_out
 
 
 def _clear_slot(cache: KVCache, slot):
@@ -212,18 +262,20 @@ class Steps:
     mesh: Mesh
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
+    mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
     clear_slot: callable  # (cache, slot) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        verbs = (self.prefill, *dict.fromkeys(self.decode.values()), self.clear_slot)
+        decodes = dict.fromkeys((*self.decode.values(), *self.mixed.values()))
+        verbs = (self.prefill, *decodes, self.clear_slot)
         return sum(f._cache_size() for f in verbs)
 
     def new_cache(self, dtype) -> KVCache:
         return init_cache(
-            self.model, self.engine.max_slots, self.engine.cache_len, dtype, self.cache_sharding
+            self.model, self.engine.max_slots, self.engine.max_seq_len, dtype, self.cache_sharding
         )
 
     def new_state(self) -> SlotState:
@@ -279,16 +331,24 @@ def build_steps(
     common = {"cfg": model, "vocab": vocab_size}
     carried = (cache_shardings, state_shardings)
 
-    def jit_decode(attn_len):
-        fn = partial(_decode, steps=engine.decode_steps, attn_len=attn_len, **common)
+    def jit_decode(attn_len, mixed):
+        # A dispatch carrying a prompt chunk is a single decode step: its cost stays close to one
+        # plain step, which is the point of mixing.
+        steps = 1 if mixed else engine.decode_steps
+        fn = partial(_decode, steps=steps, attn_len=attn_len, **common)
         return jax.jit(
             fn,
-            in_shardings=(param_shardings, *carried, by_slot, replicated),
-            out_shardings=(*carried, replicated),
+            in_shardings=(param_shardings, *carried, by_slot, replicated) + ((replicated,) if mixed else ()),
+            out_shardings=(*carried, replicated) + ((replicated,) if mixed else ()),
             donate_argnums=(1, 2),
         )
 
-    by_len = {n: jit_decode(n) for n in engine.attention_buckets}
+    def by_bucket_pair(mixed):
+        # One jitted function per attention bucket serves every slot bucket (the active mask's
+        # length); the dict names each compiled pair so the engine and warm-up agree on them.
+        by_len = {n: jit_decode(n, mixed) for n in engine.attention_buckets}
+        return {(rows, n): by_len[n] for n in engine.attention_buckets for rows in engine.slot_buckets}
+
     return Steps(
         model=model,
         engine=engine,
@@ -300,9 +360,8 @@ def build_steps(
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         ),
-        # One jitted function per attention bucket serves every slot bucket (the active mask's
-        # length); the dict names each compiled pair so the engine and warm-up agree on them.
-        decode={(rows, n): by_len[n] for n in engine.attention_buckets for rows in engine.slot_buckets},
+        decode=by_bucket_pair(mixed=False),
+        mixed=by_bucket_pair(mixed=True) if engine.mixed_prefill_tokens else {},
         clear_slot=jax.jit(
             _clear_slot,
             in_shardings=(cache_shardings, replicated),

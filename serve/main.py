@@ -45,6 +45,10 @@ ENGINE_OPTIONS = {
     "max_queue": (int, "waiting requests before 429"),
     "decode_steps": (int, "decode steps per device dispatch"),
     "prefill_token_budget": (int, "prompt tokens prefilled per engine iteration"),
+    "mixed_prefill_tokens": (
+        int,
+        "prompt tokens carried by each decode dispatch while others stream (0: off)",
+    ),
     "dtype": (str, "float32 | bfloat16 | float16"),
     "mesh_data": (int, "devices on the data axis"),
     "mesh_model": (int, "devices on the model axis"),

@@ -81,8 +81,15 @@ def test_batch_invariance_in_every_slot(llm, sampling):
         assert results[slot].token_ids == alone.token_ids, slot
 
 
-def test_no_recompiles_after_warmup(tiny_model):
-    llm = jinfer.LLM(tiny_model("qwen2_bias_tied")[0], max_slots=4, max_seq_len=128, prefill_buckets=(16, 32))
+@pytest.mark.parametrize("mixed", [0, 8], ids=["separate-prefill", "mixed-prefill"])
+def test_no_recompiles_after_warmup(tiny_model, mixed):
+    llm = jinfer.LLM(
+        tiny_model("qwen2_bias_tied")[0],
+        max_slots=4,
+        max_seq_len=128,
+        prefill_buckets=(16, 32),
+        mixed_prefill_tokens=mixed,
+    )
     llm.engine.warmup()
     before = llm.engine.compile_count()
     compiles = []
@@ -97,6 +104,44 @@ def test_no_recompiles_after_warmup(tiny_model):
     assert all(r.finish_reason in ("stop", "length") for r in results)
     assert llm.engine.compile_count() == before
     assert compiles == []
+
+
+def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_tokens(tiny_model, monkeypatch):
+    # max_seq_len 100 is no multiple of the chunk sizes: the last chunks' padding runs past the cache.
+    llm = jinfer.LLM(
+        tiny_model("llama_gqa_untied")[0],
+        max_slots=4,
+        max_seq_len=100,
+        prefill_buckets=(16, 32),
+        mixed_prefill_tokens=8,
+        decode_steps=2,
+    )
+    engine = llm.engine
+    seeded_prompt = _prompt(2, 21)
+    (seeded_alone,) = llm.generate([seeded_prompt], SEEDED)  # no one decoding: a prefill dispatch
+    carried = []  # the prompt chunks that rode along decode steps
+
+    def counting(real):
+        return lambda *args: (carried.append(args[-1]), real(*args))[1]
+
+    for key, real in list(engine.steps.mixed.items()):
+        monkeypatch.setitem(engine.steps.mixed, key, counting(real))
+    first, near_end = _prompt(1, 10), _prompt(3, 97)
+    outputs = {}
+    sink = lambda name: lambda event: outputs.setdefault(name, []).extend(event.token_ids)
+    engine.submit(first, jinfer.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), sink("first"))
+    for _ in range(2):
+        engine.step()
+    engine.submit(seeded_prompt, SEEDED, sink("seeded"))
+    engine.submit(
+        near_end, jinfer.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), sink("near_end")
+    )
+    engine.run_until_idle()
+    starts = [int(c.start) for c in carried]
+    assert starts == [0, 8, 16, *range(0, 97, 8)]  # the seeded prompt's 3 chunks, then the other's 13
+    assert outputs["first"] == _greedy_reference(llm, first, 40)
+    assert outputs["seeded"] == seeded_alone.token_ids
+    assert outputs["near_end"] == _greedy_reference(llm, near_end, 3)
 
 
 def test_cancel_frees_the_slot_within_one_step(llm):

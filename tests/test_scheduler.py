@@ -59,6 +59,34 @@ def test_queue_bound_admission_and_chunked_prefill(tokenizer):
     assert plan.decode_owners == [long, a]
 
 
+def test_mixed_prefill_carries_one_short_chunk_while_others_decode(tokenizer):
+    s = Scheduler(tokenizer, max_slots=3, max_queue=8, chunk_len=32, token_budget=512, mixed_chunk_len=8)
+    first, second, third = (
+        _request(tokenizer, rid, n) for rid, n in (("first", 5), ("second", 20), ("third", 3))
+    )
+    s.submit(first)
+    plan = s.plan()  # nothing decodes yet: the prompt gets a dispatch of its own
+    assert [(w.request, len(w.tokens)) for w in plan.prefills] == [(first, 5)] and plan.fused is None
+    s.submit(second)
+    s.submit(third)
+    chunks = []
+    for _ in range(4):
+        plan = s.plan()
+        assert plan.prefills == [] and plan.decode_owners[0] is first
+        chunks.append(
+            (plan.fused.request.request_id, plan.fused.start, len(plan.fused.tokens), plan.fused.last)
+        )
+        # A request is decoded only from the dispatch after the one carrying its last chunk.
+        assert plan.fused.request not in plan.decode_owners
+    assert chunks == [
+        ("second", 0, 8, False),
+        ("second", 8, 8, False),
+        ("second", 16, 4, True),
+        ("third", 0, 3, True),
+    ]
+    assert s.plan().decode_owners == [first, second, third]
+
+
 def test_commit_stops_on_eos_length_and_ignores_results_after_finish(tokenizer):
     s = Scheduler(tokenizer, max_slots=3, max_queue=8, chunk_len=32, token_budget=512)
     ev_eos, ev_len, ev_min = [], [], []

@@ -33,6 +33,7 @@ Einsum letters: b batch, t query, s key, d model, k kv-head, g group, h head_dim
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -256,51 +257,85 @@ def attention(
     return jnp.einsum("bkgts,bksh->bkgth", probs, v, precision=precision)
 
 
+class TokenGroup(NamedTuple):
+    """Tokens that share one attention pattern within a forward pass.
+
+    tokens and positions are [B, T]; their K/V go to cache rows `rows` [B] (None: rows 0..B-1).
+    A decode step is one group ([slots, 1]); a decode step carrying a prompt chunk is two (the
+    slots, then the chunk [1, T] for its slot): every projection runs once over both groups'
+    columns, so the step reads the weights once.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    rows: jax.Array | None = None
+
+    @property
+    def columns(self) -> int:
+        return self.tokens.shape[0] * self.tokens.shape[1]
+
+
 def _attention_block(
     p: LayerParams,
     x: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
-    positions: jax.Array,
+    groups: Sequence[TokenGroup],
     cache_kv: tuple[jax.Array, jax.Array] | None,
-    rows: jax.Array | None,
     attn_len: int | None,
     window: int,
     cfg: ModelConfig,
 ):
-    """x [D, N] columns -> attention output [D, N] and the layer's updated cache."""
-    b, t = positions.shape
-    groups = cfg.num_groups
+    """x [D, N] columns (the groups' tokens in order) -> attention output [D, N], updated cache."""
+    groups_per_kv = cfg.num_groups
     with jax.named_scope("qkv_proj"):
         qkv = project(p.wqkv, x)  # [K, G + 2, h, N]
     if cfg.qkv_bias:
         qkv = qkv + p.bqkv[..., None]
-    q, k, v = qkv[:, :groups], qkv[:, groups], qkv[:, groups + 1]  # [K, G, h, N], [K, h, N], [K, h, N]
+    q, k, v = qkv[:, :groups_per_kv], qkv[:, groups_per_kv], qkv[:, groups_per_kv + 1]
     if cfg.qk_norm:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, axis=-2)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, axis=-2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv_heads, h = k.shape[0], k.shape[1]
+
     # Heads-major columns to attention's [B, K, (G,) T, H]: small transposes of this step's tokens.
-    q = q.reshape(kv_heads, groups, h, b, t).transpose(3, 0, 1, 4, 2)
-    k = k.reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1)
-    v = v.reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1)
-    if cache_kv is None:
-        out = attention(q, k, v, positions, positions, window)
-        new_kv = None
-    else:
+    per_group, start = [], 0
+    for group in groups:
+        b, t = group.tokens.shape
+        cols = slice(start, start + b * t)
+        start += b * t
+        per_group.append(
+            (
+                q[..., cols].reshape(kv_heads, groups_per_kv, h, b, t).transpose(3, 0, 1, 4, 2),
+                k[..., cols].reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1),
+                v[..., cols].reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1),
+            )
+        )
+    if cache_kv is not None:
+        # Every group writes before any reads: a slot being prefilled is an inactive row of the
+        # decode group, whose write lands at a position the chunk then overwrites.
         with jax.named_scope("kv_write"):
-            cache_k, cache_v = write_kv(cache_kv, k, v, positions, rows)
-        keys, values = (cache_k[:b], cache_v[:b]) if rows is None else (cache_k[rows], cache_v[rows])
-        if attn_len is not None:  # the caller knows no position at or past attn_len is in use
-            keys, values = keys[:, :, :attn_len], values[:, :, :attn_len]
-        cache_positions = jnp.arange(keys.shape[2], dtype=positions.dtype)
-        k_pos = jnp.broadcast_to(cache_positions, (b, cache_positions.shape[0]))
-        out = attention(q, keys, values, positions, k_pos, window)
-        new_kv = (cache_k, cache_v)
-    heads_out = out.transpose(1, 2, 4, 0, 3).reshape(-1, b * t)  # [n * h, N], heads in Hugging Face order
+            for group, (_, gk, gv) in zip(groups, per_group, strict=True):
+                cache_kv = write_kv(cache_kv, gk, gv, group.positions, group.rows)
+    outs = []
+    for group, (gq, gk, gv) in zip(groups, per_group, strict=True):
+        b, t = group.tokens.shape
+        if cache_kv is None:
+            out = attention(gq, gk, gv, group.positions, group.positions, window)
+        else:
+            cache_k, cache_v = cache_kv
+            rows = group.rows
+            keys, values = (cache_k[:b], cache_v[:b]) if rows is None else (cache_k[rows], cache_v[rows])
+            if attn_len is not None:  # the caller knows no position at or past attn_len is in use
+                keys, values = keys[:, :, :attn_len], values[:, :, :attn_len]
+            cache_positions = jnp.arange(keys.shape[2], dtype=jnp.int32)
+            k_pos = jnp.broadcast_to(cache_positions, (b, cache_positions.shape[0]))
+            out = attention(gq, keys, values, group.positions, k_pos, window)
+        outs.append(out.transpose(1, 2, 4, 0, 3).reshape(-1, b * t))  # [n * h, cols], Hugging Face order
+    heads_out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     with jax.named_scope("out_proj"):
-        return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), new_kv
+        return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), cache_kv
 
 
 @jax.named_scope("mlp")
@@ -328,23 +363,41 @@ def forward(
     follows the filled part of the cache, not its size.
     Returns final-normed hidden states [B, T, D] and the cache.
     """
-    b, t = tokens.shape
-    positions = jnp.asarray(positions, jnp.int32)
-    x = params.embed[tokens.reshape(-1)].T  # [D, N] columns
-    cos, sin = rope_cos_sin(positions, cfg)
+    (hidden,), cache = forward_groups(params, (TokenGroup(tokens, positions, rows),), cfg, cache, attn_len)
+    return hidden, cache
+
+
+def forward_groups(
+    params: Params,
+    groups: Sequence[TokenGroup],
+    cfg: ModelConfig,
+    cache: KVCache | None = None,
+    attn_len: int | None = None,
+) -> tuple[tuple[jax.Array, ...], KVCache | None]:
+    """`forward` over several token groups at once: one pass of every weight over all their columns,
+    attention per group (each attends only to its own rows). Returns hidden [B_i, T_i, D] per group."""
+    groups = [g._replace(positions=jnp.asarray(g.positions, jnp.int32)) for g in groups]
+    ids = jnp.concatenate([g.tokens.reshape(-1) for g in groups])
+    x = params.embed[ids].T  # [D, N] columns
+    cos, sin = rope_cos_sin(jnp.concatenate([g.positions.reshape(-1) for g in groups]), cfg)
     new_layers = []
     for i, layer in enumerate(params.layers):
         layer_cache = None if cache is None else (cache.k[i], cache.v[i])
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        window = cfg.sliding_windows[i]
-        attn, kv = _attention_block(layer, h, cos, sin, positions, layer_cache, rows, attn_len, window, cfg)
+        attn, kv = _attention_block(
+            layer, h, cos, sin, groups, layer_cache, attn_len, cfg.sliding_windows[i], cfg
+        )
         x = x + attn
         x = x + _mlp_block(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
         new_layers.append(kv)
-    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps).T.reshape(b, t, -1)
+    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps).T  # [N, D]
+    per_group, start = [], 0
+    for g in groups:
+        per_group.append(hidden[start : start + g.columns].reshape(*g.tokens.shape, -1))
+        start += g.columns
     if cache is None:
-        return hidden, None
-    return hidden, KVCache(k=tuple(kv[0] for kv in new_layers), v=tuple(kv[1] for kv in new_layers))
+        return tuple(per_group), None
+    return tuple(per_group), KVCache(k=tuple(kv[0] for kv in new_layers), v=tuple(kv[1] for kv in new_layers))
 
 
 @jax.named_scope("logits")
