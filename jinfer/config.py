@@ -381,3 +381,20 @@ class EngineConfig:
         if self.mesh_data > 1:
             return (self.max_slots,)
         return _geometric_buckets(1, 4, self.max_slots)
+
+    def slot_bucket(self, busy: int) -> int:
+        """The decode rows for `busy` = the highest busy slot + 1."""
+        return next(b for b in self.slot_buckets if b >= busy)
+
+    def mixed_chunk_len(self, busy: int) -> int:
+        """Prompt tokens carried by a decode dispatch for `busy` = the highest busy slot + 1 (0 when
+        mixing is off); the dispatch decodes rows = slot_bucket(busy).
+
+        At least `mixed_prefill_tokens`, rounded up so the step's rows + chunk columns are a
+        multiple of 8: matrix kernels work in tiles of columns (XLA:CPU multiplied 9 columns no
+        faster than 16), so a 1-slot step carries 15 tokens for the price of 9.
+        """
+        if not self.mixed_prefill_tokens:
+            return 0
+        rows = self.slot_bucket(busy)
+        return -(-(rows + self.mixed_prefill_tokens) // 8) * 8 - rows

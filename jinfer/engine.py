@@ -98,7 +98,7 @@ class Engine:
             config.max_queue,
             config.chunk_len,
             config.prefill_token_budget,
-            config.mixed_prefill_tokens,
+            config.mixed_chunk_len if config.mixed_prefill_tokens else None,
         )
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
         self._lock = threading.Condition()
@@ -142,10 +142,10 @@ class Engine:
         for (rows, _), decode in self.steps.decode.items():
             active = np.zeros(rows, bool)
             self.cache, self.state, out = decode(self.params, self.cache, self.state, active, np.False_)
-        size = self.config.mixed_prefill_tokens
-        chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab, False)
         for (rows, _), mixed in self.steps.mixed.items():
             active = np.zeros(rows, bool)
+            size = self.config.mixed_chunk_len(rows)
+            chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out, _ = mixed(
                 self.params, self.cache, self.state, active, np.False_, chunk
             )
@@ -291,7 +291,7 @@ class Engine:
         if not plan.decodes:
             return dispatched
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
-        rows = next(b for b in self.config.slot_buckets if b > busy[-1])
+        rows = self.config.slot_bucket(busy[-1] + 1)
         owners = plan.decode_owners[:rows]
         active = np.array([r is not None for r in owners])
         running = [r for r in owners if r is not None]
@@ -313,7 +313,7 @@ class Engine:
             if fused is None:
                 self.cache, self.state, out = self.steps.decode[rows, attn_len](*args)
             else:
-                chunk = self._chunk_arrays(fused, self.config.mixed_prefill_tokens)
+                chunk = self._chunk_arrays(fused, self.config.mixed_chunk_len(rows))
                 self.cache, self.state, out, chunk_out = self.steps.mixed[rows, attn_len](*args, chunk)
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)

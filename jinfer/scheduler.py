@@ -156,13 +156,15 @@ class Scheduler:
         max_queue: int,
         chunk_len: int,
         token_budget: int,
-        mixed_chunk_len: int = 0,
+        mixed_chunk_len: Callable[[int], int] | None = None,
     ):
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.chunk_len = chunk_len
         self.token_budget = token_budget
-        self.mixed_chunk_len = mixed_chunk_len  # 0: prompts are never carried by decode dispatches
+        # Prompt tokens a decode dispatch can carry, given how many slots it decodes (the highest
+        # busy slot + 1); None: prompts are never carried by decode dispatches.
+        self.mixed_chunk_len = mixed_chunk_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.by_id: dict[str, Request] = {}
@@ -198,7 +200,7 @@ class Scheduler:
         """Apply cancellations, schedule prompt chunks, list decoders.
 
         Prompt chunks go to requests part-way through a long prompt first, then to new admissions.
-        With mixed prefill on and some request decoding, one chunk of at most `mixed_chunk_len`
+        With mixed prefill on and some request decoding, one chunk of at most `mixed_chunk_len(busy)`
         tokens rides along the decode dispatch; otherwise chunks of up to `chunk_len` are
         dispatched on their own, within the iteration's token budget.
         """
@@ -211,8 +213,9 @@ class Scheduler:
 
         owners = [r if r is not None and r.running else None for r in self.slots]
         if self.mixed_chunk_len and any(owners):
+            busy = max(slot for slot, r in enumerate(owners) if r is not None) + 1
             fused = next(self._needing_prefill(), None)
-            return Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len))
+            return Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len(busy)))
         prefills: list[PrefillWork] = []
         budget = self.token_budget
         for request in self._needing_prefill():

@@ -13,7 +13,7 @@ Three verbs touch the preallocated cache, all with the cache and slot state dona
       slot's last token, samples the next one per slot and keeps it on device for the following
       step. Inactive slots among them compute too (shapes are fixed) but do not advance.
   mixed[rows, attn_len](params, cache, state, active, want_logprobs, chunk) -> ..., out, chunk_out
-      One decode step that also prefills a prompt chunk (padded to `mixed_prefill_tokens`) into
+      One decode step that also prefills a prompt chunk (padded to `mixed_chunk_len(rows)`) into
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
@@ -200,8 +200,13 @@ def _decode(
         if chunk is not None:
             groups.append(_chunk_group(chunk))
         hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len)
-        last = [hidden[0][:, 0]] + ([_last_real(hidden[1], chunk)] if chunk is not None else [])
-        logits = llama.logits(params, jnp.concatenate(last))[:, :vocab]  # one lm_head pass, [rows (+1), V]
+        last = hidden[0][:, 0]  # [rows, D]
+        if chunk is not None:
+            # The chunk's last position joins the rows in one lm_head product, padded to a multiple
+            # of 8 columns (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
+            last = jnp.concatenate([last, _last_real(hidden[1], chunk)])
+            last = jnp.pad(last, ((0, -last.shape[0] % 8), (0, 0)))
+        logits = llama.logits(params, last)[:, :vocab]
         banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
         next_positions = state.positions + 1
         token, out = _choose(
@@ -220,7 +225,7 @@ def _decode(
             generated=state.generated + advance,
             counts=state.counts.at[jnp.arange(rows), token].add(advance),
         )
-        return cache, state, out, logits[rows:]
+        return cache, state, out, logits[rows : rows + 1]
 
     if chunk is None:
 

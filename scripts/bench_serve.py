@@ -10,11 +10,13 @@ throughput at concurrency 8. Clients are the official `openai` package with `ign
 output length and `stream_options.include_usage` giving the token counts. Clients and server
 share this machine's cores, as any loopback benchmark does.
 
-    python scripts/bench_serve.py [--configs 4:512,1:64] [--tokens 64] [--out results]
+    python scripts/bench_serve.py [--configs 4:512,1:64,1:64:8] [--tokens 64] [--out results]
 
-Each config is decode_steps:prefill_token_budget. The default pair compares the throughput
-setting (the preset's 4 decode steps per dispatch, all waiting prompts prefilled at once) with a
-latency setting (one step per dispatch, at most 64 prompt tokens between two decode steps).
+Each config is decode_steps:prefill_token_budget[:mixed_prefill_tokens]. The defaults compare the
+throughput setting (the preset's 4 decode steps per dispatch, all waiting prompts prefilled at
+once), a latency setting (one step per dispatch, at most 64 prompt tokens between two decode
+steps) and mixed prefill (while others stream, prompts ride along the decode steps 8+ tokens at a
+time).
 
 Writes results/bench_serve.{json,md,png}.
 """
@@ -52,10 +54,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, decode_steps: int, budget: int) -> subprocess.Popen:
+def start_server(port: int, decode_steps: int, budget: int, mixed: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "jinfer.cli", "serve", "--config", "configs/smollm2.toml"]
     command += ["--port", str(port), "--decode-steps", str(decode_steps)]
-    command += ["--prefill-token-budget", str(budget), *SERVER_FLAGS]
+    command += ["--prefill-token-budget", str(budget), "--mixed-prefill-tokens", str(mixed), *SERVER_FLAGS]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -128,8 +130,10 @@ async def poisson(client, rate: float, count: int, tokens: int) -> dict:
     return summarize(results, time.perf_counter() - start)
 
 
-def offline_tokens_per_s(decode_steps: int, budget: int, tokens: int) -> float:
-    llm = jinfer.LLM(decode_steps=decode_steps, prefill_token_budget=budget, **ENGINE)
+def offline_tokens_per_s(decode_steps: int, budget: int, mixed: int, tokens: int) -> float:
+    llm = jinfer.LLM(
+        decode_steps=decode_steps, prefill_token_budget=budget, mixed_prefill_tokens=mixed, **ENGINE
+    )
     llm.engine.warmup()
     conversations = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(8)]
     sampling = jinfer.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -161,7 +165,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--configs", default="4:512,1:64", help="decode_steps:prefill_token_budget pairs")
+    parser.add_argument(
+        "--configs",
+        default="4:512,1:64,1:64:8",
+        help="decode_steps:prefill_token_budget[:mixed_prefill_tokens]",
+    )
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--per-client", type=int, default=2, help="requests each closed-loop client sends")
     parser.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals per second")
@@ -171,13 +179,13 @@ def main() -> int:
     args = parser.parse_args()
     runs = []
     for config in args.configs.split(","):
-        decode_steps, budget = (int(v) for v in config.split(":"))
-        label = f"decode_steps={decode_steps}, prefill_token_budget={budget}"
+        decode_steps, budget, mixed = ([int(v) for v in config.split(":")] + [0])[:3]
+        label = f"decode_steps={decode_steps}, prefill_token_budget={budget}, mixed_prefill_tokens={mixed}"
         progress(f"{label}: offline reference (8 prompts at once)")
-        offline = offline_tokens_per_s(decode_steps, budget, args.tokens)
+        offline = offline_tokens_per_s(decode_steps, budget, mixed, args.tokens)
         progress(f"{label}: starting jinfer serve")
         port = free_port()
-        server = start_server(port, decode_steps, budget)
+        server = start_server(port, decode_steps, budget, mixed)
         try:
             rows = asyncio.run(serve_scenarios(port, args))
         finally:
@@ -188,6 +196,7 @@ def main() -> int:
             {
                 "decode_steps": decode_steps,
                 "prefill_token_budget": budget,
+                "mixed_prefill_tokens": mixed,
                 "offline_batch8_tokens_per_s": offline,
                 "served_over_offline_at_8": at_8["output_tokens_per_s"] / offline if at_8 else None,
                 "scenarios": rows,
@@ -197,7 +206,8 @@ def main() -> int:
     for run in runs:
         parts.append(
             f"\n### decode_steps = {run['decode_steps']}, prefill_token_budget = "
-            f"{run['prefill_token_budget']}: offline batch 8 "
+            f"{run['prefill_token_budget']}, mixed_prefill_tokens = {run['mixed_prefill_tokens']}: "
+            "offline batch 8 "
             f"{run['offline_batch8_tokens_per_s']:.1f} tok/s; served / offline at 8 clients = "
             f"{run['served_over_offline_at_8']:.2f}\n"
         )
@@ -223,7 +233,9 @@ def main() -> int:
     for run in runs:
         closed = [r for r in run["scenarios"] if r["concurrency"]]
         x = [r["concurrency"] for r in closed]
-        label = f"steps {run['decode_steps']}, budget {run['prefill_token_budget']}"
+        label = "steps {decode_steps}, budget {prefill_token_budget}, mixed {mixed_prefill_tokens}".format(
+            **run
+        )
         left.plot(x, [r["output_tokens_per_s"] for r in closed], "o-", label=label)
         left.axhline(run["offline_batch8_tokens_per_s"], ls="--", lw=0.8, color=left.lines[-1].get_color())
         right.plot(x, [r["itl_ms"]["p50"] for r in closed], "o-", label=f"{label} ITL p50")

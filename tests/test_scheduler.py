@@ -60,7 +60,9 @@ def test_queue_bound_admission_and_chunked_prefill(tokenizer):
 
 
 def test_mixed_prefill_carries_one_short_chunk_while_others_decode(tokenizer):
-    s = Scheduler(tokenizer, max_slots=3, max_queue=8, chunk_len=32, token_budget=512, mixed_chunk_len=8)
+    s = Scheduler(
+        tokenizer, max_slots=3, max_queue=8, chunk_len=32, token_budget=512, mixed_chunk_len=lambda busy: 8
+    )
     first, second, third = (
         _request(tokenizer, rid, n) for rid, n in (("first", 5), ("second", 20), ("third", 3))
     )
