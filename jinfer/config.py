@@ -334,6 +334,9 @@ class EngineConfig:
     # when prompts arrive. 0: prompts always get dispatches of their own (better time to first token).
     mixed_prefill_tokens: int = 0
     dtype: str = "float32"
+    # On a GPU, decode attention by a Pallas kernel that reads each slot's cache in place up to its
+    # own length (one device, 16-bit dtypes, max_seq_len a multiple of 2048); False: XLA's einsums.
+    decode_kernel: bool = True
     mesh_data: int = 1  # devices along the data axis (slots are split over it)
     mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)
     context_policy: str = "error"  # default for requests that do not choose one

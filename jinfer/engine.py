@@ -305,9 +305,7 @@ class Engine:
         fused = plan.fused
         if fused is not None:
             furthest = max(furthest, fused.start + len(fused.tokens))
-        attn_len = next(
-            b for b in self.config.attention_buckets if b >= min(furthest, self.config.max_seq_len)
-        )
+        attn_len = self.steps.attention_bucket(furthest)
         args = (self.params, self.cache, self.state, active, want_logprobs)
         try:
             if fused is None:

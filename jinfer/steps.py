@@ -184,6 +184,7 @@ def _decode(
     vocab,
     steps,
     attn_len,
+    decode_kernel,
 ):
     """`steps` decode steps for slots 0..rows-1; with a prompt chunk, one step that also prefills it.
 
@@ -199,7 +200,7 @@ def _decode(
         groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None])]
         if chunk is not None:
             groups.append(_chunk_group(chunk))
-        hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len)
+        hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, decode_kernel)
         last = hidden[0][:, 0]  # [rows, D]
         if chunk is not None:
             # The chunk's last position joins the rows in one lm_head product, padded to a multiple
@@ -266,11 +267,16 @@ class Steps:
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
+    attention_buckets: tuple[int, ...]  # the engine's, or only max_seq_len with the decode kernel
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
     clear_slot: callable  # (cache, slot) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
+
+    def attention_bucket(self, positions: int) -> int:
+        """The smallest attention bucket holding `positions` cache positions (capped at the cache)."""
+        return next(b for b in self.attention_buckets if b >= min(positions, self.engine.max_seq_len))
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
@@ -313,6 +319,19 @@ class Steps:
         return jax.jit(make, out_shardings=self.state_shardings)()
 
 
+def uses_decode_kernel(engine: EngineConfig, mesh: Mesh) -> bool:
+    """Whether decode attends with `llama.decode_attention_kernel`: asked for, on a GPU, on one
+    device (the kernel has no sharding rule), 16-bit (its float32 products would round to TF32),
+    and a cache length it can split."""
+    return (
+        engine.decode_kernel
+        and jax.default_backend() == "gpu"
+        and mesh.size == 1
+        and engine.dtype != "float32"
+        and llama.decode_kernel_fits(engine.max_seq_len)
+    )
+
+
 def build_steps(
     model: ModelConfig, engine: EngineConfig, mesh: Mesh, param_shardings, vocab_size: int
 ) -> Steps:
@@ -334,13 +353,17 @@ def build_steps(
         sampling=SamplingArrays(*([by_slot] * len(dataclasses.fields(SamplingArrays)))),
     )
     common = {"cfg": model, "vocab": vocab_size}
+    decode_kernel = uses_decode_kernel(engine, mesh)
+    # The kernel reads each row up to its own length: one bucket will do (it bounds only the
+    # attention of a prompt chunk carried by a decode step).
+    attention_buckets = (engine.max_seq_len,) if decode_kernel else engine.attention_buckets
     carried = (cache_shardings, state_shardings)
 
     def jit_decode(attn_len, mixed):
         # A dispatch carrying a prompt chunk is a single decode step: its cost stays close to one
         # plain step, which is the point of mixing.
         steps = 1 if mixed else engine.decode_steps
-        fn = partial(_decode, steps=steps, attn_len=attn_len, **common)
+        fn = partial(_decode, steps=steps, attn_len=attn_len, decode_kernel=decode_kernel, **common)
         return jax.jit(
             fn,
             in_shardings=(param_shardings, *carried, by_slot, replicated) + ((replicated,) if mixed else ()),
@@ -351,8 +374,8 @@ def build_steps(
     def by_bucket_pair(mixed):
         # One jitted function per attention bucket serves every slot bucket (the active mask's
         # length); the dict names each compiled pair so the engine and warm-up agree on them.
-        by_len = {n: jit_decode(n, mixed) for n in engine.attention_buckets}
-        return {(rows, n): by_len[n] for n in engine.attention_buckets for rows in engine.slot_buckets}
+        by_len = {n: jit_decode(n, mixed) for n in attention_buckets}
+        return {(rows, n): by_len[n] for n in attention_buckets for rows in engine.slot_buckets}
 
     return Steps(
         model=model,
@@ -365,6 +388,7 @@ def build_steps(
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         ),
+        attention_buckets=attention_buckets,
         decode=by_bucket_pair(mixed=False),
         mixed=by_bucket_pair(mixed=True) if engine.mixed_prefill_tokens else {},
         clear_slot=jax.jit(

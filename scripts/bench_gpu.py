@@ -5,9 +5,12 @@ Meant for the rare session with an accelerator (an H200 here); nothing else depe
 scripts/gpu_check.sh runs it, then a GPU smoke test. It builds the model with random weights
 directly on the device (no files), then times jinfer's own compiled steps:
   * decode: all slots busy at `--context` positions, `decode_steps` steps per call, called back to
-    back; MBU = (weight bytes + K/V bytes of the attention bucket) / step time / bandwidth, and
-    MFU = the step's matrix FLOPs / step time / the matmul rate;
-  * prefill: one `--prefill-tokens` prompt chunk; MFU as above.
+    back, with XLA's einsum attention (over the attention bucket) and, where it applies, the Pallas
+    decode-attention kernel; MBU = (weight bytes + K/V bytes of the filled positions) / step time /
+    bandwidth, and MFU = the step's matrix FLOPs / step time / the matmul rate;
+  * prefill: one `--prefill-tokens` prompt chunk; MFU as above;
+  * mixed prefill: at the most slots, one decode step alone, carrying a prompt chunk of
+    `--mixed-tokens`, and that chunk as a prefill dispatch of its own.
 Bandwidth (1 GiB reductions and matrix-vector products) and the matmul rate (8192^3 in the
 model's dtype) are measured in the same run. The peer, transformers `generate()` (greedy, eager,
 the same shape and dtype, its own random weights), runs first in a child process, so that JAX
@@ -22,6 +25,7 @@ Writes results/bench_gpu.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import sys
 import time
@@ -46,7 +50,7 @@ from jinfer.kv_cache import cache_bytes
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
-from jinfer.steps import build_steps, prefill_chunk_arrays
+from jinfer.steps import build_steps, prefill_chunk_arrays, uses_decode_kernel
 
 SHAPES = {
     "llama3-8b": {
@@ -83,16 +87,35 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
     return {slots: transformers_decode(model, ids, slots, tokens) for slots in slot_counts}
 
 
-def bench_prefill(cfg, steps, params, cache, state, tokens: int, calls: int, peak_flop_s: float) -> dict:
+def prompt_chunk(cfg, tokens: int, slot: int = 0):
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
-    chunk = prefill_chunk_arrays(prompt, 0, 0, tokens, 0, {}, (), greedy, cfg.vocab_size, False)
+    return prefill_chunk_arrays(prompt, slot, 0, tokens, 0, {}, (), greedy, cfg.vocab_size, False)
+
+
+def best_time(call, carried, calls: int) -> float:
+    """Best wall time of `calls` calls (after one that compiles); call(carried) -> (carried, out)."""
     best = float("inf")
-    for _ in range(calls + 1):  # the first call compiles
+    for _ in range(calls + 1):
         start = time.perf_counter()
-        cache, state, out = steps.prefill(params, cache, state, chunk)
+        carried, out = call(carried)
         out.tokens.block_until_ready()
         best = min(best, time.perf_counter() - start)
+    return best
+
+
+def fresh(steps, dtype):
+    return steps.new_cache(dtype), steps.new_state()
+
+
+def bench_prefill(cfg, steps, params, dtype, tokens: int, calls: int, peak_flop_s: float) -> dict:
+    chunk = prompt_chunk(cfg, tokens)
+
+    def call(carried):
+        cache, state, out = steps.prefill(params, *carried, chunk)
+        return (cache, state), out
+
+    best = best_time(call, fresh(steps, dtype), calls)
     flops = prefill_flops(cfg, params, tokens)
     return {
         "tokens": tokens,
@@ -100,6 +123,55 @@ def bench_prefill(cfg, steps, params, cache, state, tokens: int, calls: int, pea
         "tokens_per_s": tokens / best,
         "mfu": flops / best / peak_flop_s,
     }
+
+
+def busy_state(steps, dtype, context: int):
+    """A fresh cache and every slot's state as if decoding at position `context`."""
+    cache, state = fresh(steps, dtype)
+    return cache, state.replace(positions=jnp.full_like(state.positions, context))
+
+
+def time_decode(decode, steps, params, dtype, slots: int, args) -> float:
+    """Seconds per decode step: `args.calls` back-to-back calls after one that compiles."""
+    active = jnp.ones((slots,), bool)
+    cache, state = busy_state(steps, dtype, args.context)
+    cache, state, out = decode(params, cache, state, active, False)
+    out.tokens.block_until_ready()
+    start = time.perf_counter()
+    for _ in range(args.calls):
+        cache, state, out = decode(params, cache, state, active, False)
+    out.tokens.block_until_ready()
+    return (time.perf_counter() - start) / (args.calls * steps.engine.decode_steps)
+
+
+def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> dict:
+    """One decode step over every slot, alone and carrying a prompt chunk; the chunk alone."""
+    engine = dataclasses.replace(base, decode_steps=1, mixed_prefill_tokens=args.mixed_tokens)
+    steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
+    bucket = steps.attention_bucket(args.context + args.calls + 1)
+    size = engine.mixed_chunk_len(slots)
+    # The chunk goes to the last slot, which the decode step does not advance.
+    active = jnp.arange(slots) < slots - 1
+    chunk = prompt_chunk(cfg, size, slot=slots - 1)
+    progress(f"mixed prefill at {slots} slots: a {size}-token chunk in a decode step")
+
+    def decode(carried):
+        cache, state, out = steps.decode[slots, bucket](params, *carried, active, False)
+        return (cache, state), out
+
+    def mixed(carried):
+        cache, state, out, _ = steps.mixed[slots, bucket](params, *carried, active, False, chunk)
+        return (cache, state), out
+
+    def prefill(carried):
+        cache, state, out = steps.prefill(params, *carried, chunk)
+        return (cache, state), out
+
+    times = {
+        name: best_time(call, busy_state(steps, dtype, args.context), args.calls // 5)
+        for name, call in (("decode", decode), ("mixed", mixed), ("prefill", prefill))
+    }
+    return {"slots": slots, "chunk_tokens": size, **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
 
 
 def main() -> int:
@@ -114,6 +186,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=25)
     parser.add_argument("--peer-tokens", type=int, default=32, help="tokens per transformers generate()")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument(
+        "--mixed-tokens", type=int, default=256, help="mixed prefill chunk at the most slots (0: skip)"
+    )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
@@ -140,48 +215,50 @@ def main() -> int:
     weights = decode_weight_bytes(params)
     layers, output = matrix_params(params)
     per_position = cache_bytes(cfg, 1, 1, dtype)  # K and V of one position in one slot
-    rows, prefill = [], None
+    rows, prefill, mixed = [], None, None
     for slots in slot_counts:
-        engine = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
-        steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
-        cache, state = steps.new_cache(dtype), steps.new_state()
-        if prefill is None:
-            progress(f"prefill: one {args.prefill_tokens}-token chunk, best of {args.calls // 5}")
-            prefill = bench_prefill(
-                cfg, steps, params, cache, state, args.prefill_tokens, args.calls // 5, peak_flop_s
+        base = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
+        variants = {"einsum": dataclasses.replace(base, decode_kernel=False)}
+        if uses_decode_kernel(base, mesh):
+            variants = {"kernel": base, **variants}
+        for attention, engine in variants.items():
+            steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
+            if prefill is None:
+                progress(f"prefill: one {args.prefill_tokens}-token chunk, best of {args.calls // 5}")
+                prefill = bench_prefill(
+                    cfg, steps, params, dtype, args.prefill_tokens, args.calls // 5, peak_flop_s
+                )
+            progress(f"{slots} slots, {attention} attention: compiling, then {args.calls} calls")
+            reach = args.context + args.calls * engine.decode_steps
+            bucket = steps.attention_bucket(reach)
+            try:
+                step_s = time_decode(steps.decode[slots, bucket], steps, params, dtype, slots, args)
+            except Exception as error:  # a kernel that does not build here must not cost the rest
+                progress(f"  failed: {type(error).__name__}: {str(error)[:2000]}")
+                continue
+            # What a step must read: the weights and each slot's filled positions (on average
+            # halfway through the timed calls); the einsum path reads its whole bucket.
+            filled = (args.context + reach) // 2
+            read = weights + slots * filled * per_position
+            flops = slots * (2 * (layers + output) + attention_flops(cfg, 1, filled))
+            rows.append(
+                {
+                    "slots": slots,
+                    "attention": attention,
+                    "step_ms": step_s * 1e3,
+                    "tokens_per_s": slots / step_s,
+                    "mbu": read / step_s / bandwidth,
+                    "mfu": flops / step_s / peak_flop_s,
+                    "attention_bucket": bucket,
+                    "transformers_tokens_per_s": peer.get(slots),
+                }
             )
-            cache, state = steps.new_cache(dtype), steps.new_state()  # prefill donated them
-        bucket = next(
-            b for b in engine.attention_buckets if b >= args.context + args.calls * engine.decode_steps
-        )
-        decode = steps.decode[slots, bucket]
-        state = state.replace(positions=jnp.full_like(state.positions, args.context))
-        active = jnp.ones((slots,), bool)
-        progress(f"{slots} slots: compiling, then {args.calls} calls of {engine.decode_steps} steps")
-        cache, state, out = decode(params, cache, state, active, False)
-        out.tokens.block_until_ready()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            cache, state, out = decode(params, cache, state, active, False)
-        out.tokens.block_until_ready()
-        step_s = (time.perf_counter() - start) / (args.calls * engine.decode_steps)
-        read = weights + slots * bucket * per_position
-        flops = slots * (2 * (layers + output) + attention_flops(cfg, 1, bucket))
-        rows.append(
-            {
-                "slots": slots,
-                "step_ms": step_s * 1e3,
-                "tokens_per_s": slots / step_s,
-                "mbu": read / step_s / bandwidth,
-                "mfu": flops / step_s / peak_flop_s,
-                "attention_bucket": bucket,
-                "transformers_tokens_per_s": peer.get(slots),
-            }
-        )
-        del cache, state
+        if slots == max(slot_counts) and args.mixed_tokens:
+            mixed = bench_mixed(cfg, base, mesh, shardings, params, dtype, slots, args)
     table = markdown_table(
         [
             "slots",
+            "attention",
             "step ms",
             "tokens/s",
             "MBU",
@@ -193,6 +270,7 @@ def main() -> int:
         [
             [
                 r["slots"],
+                r["attention"],
                 r["step_ms"],
                 r["tokens_per_s"],
                 r["mbu"],
@@ -204,6 +282,14 @@ def main() -> int:
             for r in rows
         ],
     )
+    if mixed:
+        table += (
+            f"\n\nMixed prefill at {mixed['slots']} slots: one decode step alone "
+            f"{mixed['decode_ms']:.2f} ms; "
+            f"carrying a {mixed['chunk_tokens']}-token prompt chunk {mixed['mixed_ms']:.2f} ms "
+            f"({mixed['mixed_ms'] / mixed['decode_ms']:.2f}x); the chunk as its own prefill dispatch "
+            f"{mixed['prefill_ms']:.2f} ms."
+        )
     table += (
         f"\n\nPrefill of {prefill['tokens']} tokens: {prefill['ms']:.1f} ms, "
         f"{prefill['tokens_per_s']:.0f} tokens/s, MFU {prefill['mfu']:.2f}.\n\n"
@@ -212,7 +298,14 @@ def main() -> int:
         f"{ceiling['matmul_gflop_s'] / 1e3:.0f} TFLOP/s measured in the same run; transformers "
         f"{'not run' if args.no_peer else 'generate() (eager, greedy) on the same device'}."
     )
-    result = {"device": device, "shape": args.shape, "ceiling": ceiling, "rows": rows, "prefill": prefill}
+    result = {
+        "device": device,
+        "shape": args.shape,
+        "ceiling": ceiling,
+        "rows": rows,
+        "prefill": prefill,
+        "mixed": mixed,
+    }
     write_results(args.out, "bench_gpu", result, table)
     return 0
 

@@ -326,3 +326,26 @@ def test_background_loop_serves_submissions_from_other_threads(tiny_model):
         assert tokens == expected
     finally:
         engine.stop()
+
+
+def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
+    """The engine wired to the Pallas decode-attention kernel (interpreted, so that it computes
+    exactly what it would on a GPU, in float32) decodes what the einsum path decodes. The real
+    kernel's numbers are checked against the einsums in test_kv_cache (on a GPU, in bfloat16)."""
+    from functools import partial
+
+    from jinfer import steps
+
+    monkeypatch.setattr(steps, "uses_decode_kernel", lambda engine, mesh: True)
+    monkeypatch.setattr(
+        llama, "decode_attention_kernel", partial(llama.decode_attention_kernel, interpret=True)
+    )
+    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
+    llm = jinfer.LLM(tiny_model("mistral_sliding")[0], mixed_prefill_tokens=8, **options)
+    assert llm.engine.steps.attention_buckets == (256,)  # the kernel needs no attention buckets
+    prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some are carried
+    samplings = [jinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 6
+    got = [o.token_ids for o in llm.generate(prompts, samplings)]
+    monkeypatch.undo()
+    reference = jinfer.LLM(tiny_model("mistral_sliding")[0], **options)
+    assert got == [o.token_ids for o in reference.generate(prompts, samplings)]

@@ -53,3 +53,21 @@ def test_random_init_follows_the_declaration(tiny_model):
             assert 0.015 < float(jnp.std(leaf)) < 0.025  # normal * 0.02
     hidden, _ = llama.forward(params, np.zeros((1, 4), np.int32), np.arange(4)[None], cfg)
     assert np.isfinite(np.asarray(llama.logits(params, hidden))).all()
+
+
+@pytest.mark.parametrize("window", [0, 40], ids=["causal", "sliding"])
+def test_decode_attention_kernel_equals_xla_attention(window):
+    """The Pallas kernel (real on a GPU, interpreted on a CPU) against the einsum attention."""
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    slots, rows, kv_heads, groups, length, head_dim = 6, 4, 2, 3, 2048, 64
+    assert llama.decode_kernel_fits(length)
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(rows, kv_heads, groups, 1, head_dim), dtype)
+    cache_k, cache_v = (jnp.asarray(rng.randn(slots, kv_heads, length, head_dim), dtype) for _ in range(2))
+    positions = np.array([0, 17, 300, length - 1], np.int32)  # rows 4 and 5 are not decoded
+    got = llama.decode_attention_kernel(q, cache_k, cache_v, positions, window, interpret=not on_gpu)
+    key_positions = np.broadcast_to(np.arange(length), (rows, length))
+    want = llama.attention(q, cache_k[:rows], cache_v[:rows], positions[:, None], key_positions, window)
+    tolerance = 2e-2 if on_gpu else 1e-5
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= tolerance
