@@ -315,7 +315,8 @@ def decode_attention_kernel(
         k_splits=_KERNEL_SPLITS,
         interpret=interpret,
     )
-    return out[:b].reshape(b, kv_heads, groups, 1, h)
+    # (gqa's normalization adds a NumPy float32 epsilon, which promotes a bf16 result to float32.)
+    return out[:b].astype(q.dtype).reshape(b, kv_heads, groups, 1, h)
 
 
 def _attention_block(
