@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.models import llama
-from jinfer.sampling import SamplingArrays, apply_penalties, sample, token_logprobs
+from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, sample, token_logprobs
 from jinfer.sharding import DATA, MODEL
 
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
@@ -71,7 +71,7 @@ class SlotState:
 
 @struct.dataclass
 class PrefillChunk:
-    """One request's prompt chunk and its settings, built on the host (small arrays)."""
+    """One request's prompt chunk and its settings, as the steps see it (`PackedChunk.unpack`)."""
 
     tokens: jax.Array  # [1, T] int32, padded to a bucket
     slot: jax.Array  # [] int32
@@ -83,6 +83,56 @@ class PrefillChunk:
     stop_ids: jax.Array  # [MAX_STOP_IDS] int32, padded with V (dropped)
     want_logprobs: jax.Array  # [] bool
     sampling: SamplingArrays  # [1]
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
+_DEFAULT_KNOBS = SamplingArrays.from_params([SamplingParams()], [0])
+# Sampling knobs that travel in the int32 array (top_k; seed, a uint32 carried bit for bit).
+_INT_SAMPLING = tuple(
+    n for n in _SAMPLING_FIELDS if not np.issubdtype(getattr(_DEFAULT_KNOBS, n).dtype, np.floating)
+)
+_INT_HEADER = 5 + MAX_LOGIT_BIAS + MAX_STOP_IDS + len(_INT_SAMPLING)  # before the chunk's tokens
+
+
+@struct.dataclass
+class PackedChunk:
+    """A PrefillChunk as it crosses to the device: one int32 and one float32 array. Each array
+    handed to a jitted call is a host->device copy of its own, 0.1-0.5 ms of host time apiece
+    (seventeen of them cost an H200 mixed step 8 ms of its 20); the steps unpack on device.
+
+    ints: slot, start, length, min_tokens, want_logprobs, bias_ids, stop_ids, the integer sampling
+    knobs, then the tokens; floats: bias_values, then the float sampling knobs.
+    """
+
+    ints: jax.Array
+    floats: jax.Array
+
+    # Host-side reads (what the engine scheduled; tests look at them).
+    slot = property(lambda self: int(self.ints[0]))
+    start = property(lambda self: int(self.ints[1]))
+    length = property(lambda self: int(self.ints[2]))
+    size = property(lambda self: self.ints.shape[0] - _INT_HEADER)  # tokens, with padding
+
+    def unpack(self) -> PrefillChunk:
+        ints, floats = self.ints, self.floats
+        bias_ids, rest = ints[5 : 5 + MAX_LOGIT_BIAS], ints[5 + MAX_LOGIT_BIAS :]
+        stop_ids, rest = rest[:MAX_STOP_IDS], rest[MAX_STOP_IDS:]
+        knobs = dict(zip(_INT_SAMPLING, rest[: len(_INT_SAMPLING), None], strict=True))
+        knobs["seed"] = jax.lax.bitcast_convert_type(knobs["seed"], jnp.uint32)
+        float_names = [n for n in _SAMPLING_FIELDS if n not in _INT_SAMPLING]
+        knobs |= dict(zip(float_names, floats[MAX_LOGIT_BIAS:, None], strict=True))
+        return PrefillChunk(
+            tokens=ints[_INT_HEADER:][None, :],
+            slot=ints[0],
+            start=ints[1],
+            length=ints[2],
+            min_tokens=ints[3],
+            bias_ids=bias_ids,
+            bias_values=floats[:MAX_LOGIT_BIAS],
+            stop_ids=stop_ids,
+            want_logprobs=ints[4] != 0,
+            sampling=SamplingArrays(**knobs),
+        )
 
 
 @struct.dataclass
@@ -165,7 +215,8 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab:
     return state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _prefill(params, cache: KVCache, state: SlotState, chunk: PrefillChunk, *, cfg, vocab):
+def _prefill(params, cache: KVCache, state: SlotState, packed: PackedChunk, *, cfg, vocab):
+    chunk = packed.unpack()
     (hidden,), cache = llama.forward_groups(params, (_chunk_group(chunk),), cfg, cache)
     logits = llama.logits(params, _last_real(hidden, chunk))[:, :vocab]  # [1, V]
     state, out = _start_slot(state, chunk, logits, vocab)
@@ -178,7 +229,7 @@ def _decode(
     state: SlotState,
     active,
     want_logprobs,
-    chunk: PrefillChunk | None = None,
+    packed: PackedChunk | None = None,
     *,
     cfg,
     vocab,
@@ -191,6 +242,7 @@ def _decode(
     Returns the cache, the state and the decode output [steps, rows], plus the chunk's output
     [1, 1] when there is a chunk.
     """
+    chunk = None if packed is None else packed.unpack()
     rows = active.shape[0]  # slots 0..rows-1 take part; the state of the others is left alone
     all_state = state
     state = jax.tree.map(lambda a: a[:rows], state)
@@ -410,11 +462,11 @@ def prefill_chunk_arrays(
     min_tokens: int,
     bias,
     stop_ids,
-    sampling,
+    sampling: SamplingArrays,
     vocab: int,
     want_logprobs: bool,
-) -> PrefillChunk:
-    """Host-side construction of a PrefillChunk (padding the sparse lists to fixed sizes)."""
+) -> PackedChunk:
+    """Host-side construction of a chunk (the sparse lists padded to fixed sizes), packed."""
     bias_ids = np.full(MAX_LOGIT_BIAS, vocab, np.int32)
     bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
     items = list(bias.items())
@@ -422,15 +474,9 @@ def prefill_chunk_arrays(
     bias_values[: len(items)] = [v for _, v in items]
     stops = np.full(MAX_STOP_IDS, vocab, np.int32)
     stops[: len(stop_ids)] = list(stop_ids)
-    return PrefillChunk(
-        tokens=np.asarray(tokens, np.int32)[None, :],
-        slot=np.int32(slot),
-        start=np.int32(start),
-        length=np.int32(length),
-        min_tokens=np.int32(min_tokens),
-        bias_ids=bias_ids,
-        bias_values=bias_values,
-        stop_ids=stops,
-        want_logprobs=np.bool_(want_logprobs),
-        sampling=sampling,
-    )
+    knob = lambda name: np.asarray(getattr(sampling, name)).reshape(1)
+    int_knobs = [knob(n).view(np.int32) if n == "seed" else knob(n).astype(np.int32) for n in _INT_SAMPLING]
+    float_knobs = [knob(n).astype(np.float32) for n in _SAMPLING_FIELDS if n not in _INT_SAMPLING]
+    header = np.array([slot, start, length, min_tokens, want_logprobs], np.int32)
+    ints = np.concatenate([header, bias_ids, stops, *int_knobs, np.asarray(tokens, np.int32)])
+    return PackedChunk(ints=ints, floats=np.concatenate([bias_values, *float_knobs]))

@@ -86,3 +86,21 @@ def test_gguf_metadata_of_the_embedded_model(smollm2_path):
     )
     assert cfg.tie_word_embeddings and cfg.rope.theta == 100000.0 and cfg.vocab_size == 49152
     assert cfg.eos_token_ids == (2,)
+
+
+def test_every_serve_preset_resolves_to_a_valid_engine_config():
+    """Unknown options and invalid values would raise here, not when someone starts the server."""
+    import glob
+
+    from jinfer.config import EngineConfig
+    from serve.main import ENGINE_OPTIONS, build_parser, resolve_options
+
+    engines = {}
+    for preset in sorted(glob.glob("configs/*.toml")):
+        options = resolve_options(build_parser().parse_args(["--config", preset]))
+        engines[preset] = EngineConfig(
+            **{k: options[k] for k in (*ENGINE_OPTIONS, "prefill_buckets") if k in options}
+        )
+    assert engines["configs/smollm2.toml"].mixed_prefill_tokens == 0  # `make serve`: throughput preset
+    latency = engines["configs/smollm2-latency.toml"]
+    assert latency.decode_steps == 1 and latency.mixed_chunk_len(8) == 8 and latency.mixed_chunk_len(1) == 15
