@@ -1,7 +1,8 @@
 """The engine: one loop that ties the host scheduler to the jitted device steps.
 
     submit / cancel (any thread) --inbox, under a lock--> Scheduler
-    loop thread:  plan -> dispatch prefill chunks + one multi-step decode (async, cache donated)
+    loop thread:  plan -> dispatch prefill chunks + one multi-step decode (async, cache donated),
+                  or, with mixed prefill while requests decode, one decode step carrying a chunk
                   -> read the previous iteration's tokens (one iteration late) -> scheduler.commit
                   -> sinks receive RequestOutput events
 
@@ -132,7 +133,7 @@ class Engine:
         )
 
     def warmup(self) -> float:
-        """Compile every prefill bucket and every decode bucket pair; return the seconds it took."""
+        """Compile every prefill bucket and every (mixed) decode bucket pair; return the seconds."""
         start = time.perf_counter()
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
@@ -322,7 +323,7 @@ class Engine:
         return dispatched
 
     def _chunk_arrays(self, work: PrefillWork, size: int):
-        """The device arrays of one prompt chunk, padded to `size` tokens."""
+        """One prompt chunk packed for the device, padded to `size` tokens."""
         tokens = np.zeros(size, np.int32)
         tokens[: len(work.tokens)] = work.tokens
         request, sp = work.request, work.request.sampling

@@ -6,6 +6,8 @@ scaling), never by code paths chosen from strings at run time.
 
 Data flow:  tokens [B, T] -> embed -> num_layers x (RMSNorm, GQA attention with RoPE, RMSNorm,
 SwiGLU MLP) -> final RMSNorm -> hidden [B, T, D];  `logits(params, hidden)` -> [B, T, V].
+`forward_groups` runs several token groups (decoding slots, a prompt chunk) through one pass of
+the weights, each with its own attention; on a GPU one-token groups may attend with a Pallas kernel.
 
 Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode.py):
   * Weights are stored as Hugging Face stores them, output features first ([out..., in]), so each
@@ -358,8 +360,8 @@ def _attention_block(
             )
         )
     if cache_kv is not None:
-        # Every group writes before any reads: a slot being prefilled is an inactive row of the
-        # decode group, whose write lands at a position the chunk then overwrites.
+        # Every group writes before any group reads. A slot being prefilled is an inactive row of
+        # the decode group, whose write lands where the chunk then writes or beyond what is visible.
         with jax.named_scope("kv_write"):
             for group, (_, gk, gv) in zip(groups, per_group, strict=True):
                 cache_kv = write_kv(cache_kv, gk, gv, group.positions, group.rows)
