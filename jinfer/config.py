@@ -335,7 +335,8 @@ class EngineConfig:
     mixed_prefill_tokens: int = 0
     dtype: str = "float32"
     # On a GPU, decode attention by a Pallas kernel that reads each slot's cache in place up to its
-    # own length (one device, 16-bit dtypes, max_seq_len a multiple of 2048); False: XLA's einsums.
+    # own length (one device, 16-bit dtypes, a max_seq_len it can split: llama.decode_kernel_fits);
+    # False: XLA's einsums over the attention bucket.
     decode_kernel: bool = True
     mesh_data: int = 1  # devices along the data axis (slots are split over it)
     mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)
