@@ -319,6 +319,11 @@ def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
     return (*sizes, last)
 
 
+# Matrix kernels work in tiles of columns: XLA:CPU multiplied 9 columns no faster than 16. Token
+# counts that the engine chooses (a mixed step's chunk, its lm_head columns) round up to this.
+COLUMN_TILE = 8
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine lays out the device: slots, cache length, buckets, steps per dispatch, mesh."""
@@ -394,11 +399,10 @@ class EngineConfig:
         """Prompt tokens carried by a decode dispatch for `busy` = the highest busy slot + 1 (0 when
         mixing is off); the dispatch decodes rows = slot_bucket(busy).
 
-        At least `mixed_prefill_tokens`, rounded up so the step's rows + chunk columns are a
-        multiple of 8: matrix kernels work in tiles of columns (XLA:CPU multiplied 9 columns no
-        faster than 16), so a 1-slot step carries 15 tokens for the price of 9.
+        At least `mixed_prefill_tokens`, rounded up so the step's rows + chunk columns fill whole
+        COLUMN_TILEs: a 1-slot step carries 15 tokens for the price of 9.
         """
         if not self.mixed_prefill_tokens:
             return 0
         rows = self.slot_bucket(busy)
-        return -(-(rows + self.mixed_prefill_tokens) // 8) * 8 - rows
+        return -(-(rows + self.mixed_prefill_tokens) // COLUMN_TILE) * COLUMN_TILE - rows

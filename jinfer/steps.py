@@ -43,7 +43,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinfer.config import EngineConfig, ModelConfig
+from jinfer.config import COLUMN_TILE, EngineConfig, ModelConfig
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, sample, token_logprobs
@@ -91,7 +91,10 @@ _DEFAULT_KNOBS = SamplingArrays.from_params([SamplingParams()], [0])
 _INT_SAMPLING = tuple(
     n for n in _SAMPLING_FIELDS if not np.issubdtype(getattr(_DEFAULT_KNOBS, n).dtype, np.floating)
 )
-_INT_HEADER = 5 + MAX_LOGIT_BIAS + MAX_STOP_IDS + len(_INT_SAMPLING)  # before the chunk's tokens
+_FLOAT_SAMPLING = tuple(n for n in _SAMPLING_FIELDS if n not in _INT_SAMPLING)
+_HEADER = ("slot", "start", "length", "min_tokens", "want_logprobs")  # the int32 array's first entries
+_BIAS_IDS = len(_HEADER)  # where bias_ids begin
+_TOKENS = _BIAS_IDS + MAX_LOGIT_BIAS + MAX_STOP_IDS + len(_INT_SAMPLING)  # where the tokens begin
 
 
 @struct.dataclass
@@ -108,30 +111,26 @@ class PackedChunk:
     floats: jax.Array
 
     # Host-side reads (what the engine scheduled; tests look at them).
-    slot = property(lambda self: int(self.ints[0]))
-    start = property(lambda self: int(self.ints[1]))
-    length = property(lambda self: int(self.ints[2]))
-    size = property(lambda self: self.ints.shape[0] - _INT_HEADER)  # tokens, with padding
+    slot = property(lambda self: int(self.ints[_HEADER.index("slot")]))
+    start = property(lambda self: int(self.ints[_HEADER.index("start")]))
+    length = property(lambda self: int(self.ints[_HEADER.index("length")]))
+    size = property(lambda self: self.ints.shape[0] - _TOKENS)  # tokens, with padding
 
     def unpack(self) -> PrefillChunk:
         ints, floats = self.ints, self.floats
-        bias_ids, rest = ints[5 : 5 + MAX_LOGIT_BIAS], ints[5 + MAX_LOGIT_BIAS :]
-        stop_ids, rest = rest[:MAX_STOP_IDS], rest[MAX_STOP_IDS:]
-        knobs = dict(zip(_INT_SAMPLING, rest[: len(_INT_SAMPLING), None], strict=True))
+        header = dict(zip(_HEADER, ints[:_BIAS_IDS], strict=True))
+        header["want_logprobs"] = header["want_logprobs"] != 0
+        stops = _BIAS_IDS + MAX_LOGIT_BIAS
+        knobs = dict(zip(_INT_SAMPLING, ints[stops + MAX_STOP_IDS : _TOKENS, None], strict=True))
         knobs["seed"] = jax.lax.bitcast_convert_type(knobs["seed"], jnp.uint32)
-        float_names = [n for n in _SAMPLING_FIELDS if n not in _INT_SAMPLING]
-        knobs |= dict(zip(float_names, floats[MAX_LOGIT_BIAS:, None], strict=True))
+        knobs |= dict(zip(_FLOAT_SAMPLING, floats[MAX_LOGIT_BIAS:, None], strict=True))
         return PrefillChunk(
-            tokens=ints[_INT_HEADER:][None, :],
-            slot=ints[0],
-            start=ints[1],
-            length=ints[2],
-            min_tokens=ints[3],
-            bias_ids=bias_ids,
+            tokens=ints[_TOKENS:][None, :],
+            bias_ids=ints[_BIAS_IDS:stops],
             bias_values=floats[:MAX_LOGIT_BIAS],
-            stop_ids=stop_ids,
-            want_logprobs=ints[4] != 0,
+            stop_ids=ints[stops : stops + MAX_STOP_IDS],
             sampling=SamplingArrays(**knobs),
+            **header,
         )
 
 
@@ -255,10 +254,10 @@ def _decode(
         hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, decode_kernel)
         last = hidden[0][:, 0]  # [rows, D]
         if chunk is not None:
-            # The chunk's last position joins the rows in one lm_head product, padded to a multiple
-            # of 8 columns (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
+            # The chunk's last position joins the rows in one lm_head product, padded to whole
+            # column tiles (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
             last = jnp.concatenate([last, _last_real(hidden[1], chunk)])
-            last = jnp.pad(last, ((0, -last.shape[0] % 8), (0, 0)))
+            last = jnp.pad(last, ((0, -last.shape[0] % COLUMN_TILE), (0, 0)))
         logits = llama.logits(params, last)[:, :vocab]
         banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
         next_positions = state.positions + 1
@@ -476,7 +475,7 @@ def prefill_chunk_arrays(
     stops[: len(stop_ids)] = list(stop_ids)
     knob = lambda name: np.asarray(getattr(sampling, name)).reshape(1)
     int_knobs = [knob(n).view(np.int32) if n == "seed" else knob(n).astype(np.int32) for n in _INT_SAMPLING]
-    float_knobs = [knob(n).astype(np.float32) for n in _SAMPLING_FIELDS if n not in _INT_SAMPLING]
-    header = np.array([slot, start, length, min_tokens, want_logprobs], np.int32)
+    float_knobs = [knob(n).astype(np.float32) for n in _FLOAT_SAMPLING]
+    header = np.array([slot, start, length, min_tokens, want_logprobs], np.int32)  # _HEADER's order
     ints = np.concatenate([header, bias_ids, stops, *int_knobs, np.asarray(tokens, np.int32)])
     return PackedChunk(ints=ints, floats=np.concatenate([bias_values, *float_knobs]))

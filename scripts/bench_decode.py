@@ -83,8 +83,7 @@ def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) ->
     per_position = cache_bytes(llm.engine.steps.model, 1, 1, params.final_norm.dtype)  # K and V, one slot
     engine = llm.engine.config
     filled = prompt_len + tokens / 2
-    reach = min(filled + 2 * engine.decode_steps + 1, engine.max_seq_len)
-    bucket = next(b for b in engine.attention_buckets if b >= reach)
+    bucket = llm.engine.steps.attention_bucket(filled + 2 * engine.decode_steps + 1)
     return weights + slots * filled * per_position, weights + slots * bucket * per_position
 
 

@@ -56,7 +56,7 @@ def bare_step_s(llm: jinfer.LLM, slots: int, prompt_len: int) -> float:
     engine = llm.engine
     steps = engine.config.decode_steps
     # The bucket the engine attended over for most of its run (its last requests' reach).
-    bucket = next(b for b in engine.config.attention_buckets if b >= prompt_len + TOKENS + 2 * steps + 1)
+    bucket = engine.steps.attention_bucket(prompt_len + TOKENS + 2 * steps + 1)
     decode = engine.steps.decode[slots, bucket]
     active = jnp.ones((slots,), bool)
     calls = TOKENS // 2 // steps
