@@ -347,13 +347,15 @@ class Engine:
             [out.logprobs, out.top_ids, out.top_logprobs] if want_logprobs else []
         )
         try:
-            tokens, bad, *extra = jax.device_get(wanted)
+            # np.asarray per array, not jax.device_get: on a CPU it is a zero-copy view (3 µs
+            # against device_get's ~85 µs for two small arrays, once per dispatch).
+            tokens, bad, *extra = (np.asarray(a) for a in wanted)
         except Exception as e:  # an asynchronous device failure surfaces here
             self._recover([r for r in owners if r is not None], e)
             return
         logprobs = dict(zip(("logprobs", "top_ids", "top_logprobs"), extra, strict=True)) if extra else None
         with self._lock:
-            self.scheduler.commit(owners, np.asarray(tokens), np.asarray(bad), logprobs)
+            self.scheduler.commit(owners, tokens, bad, logprobs)
             poisoned, self.scheduler.poisoned_slots = self.scheduler.poisoned_slots, []
             self._lock.notify_all()
         for slot in poisoned:  # before the next plan can give the slot to someone else
