@@ -383,6 +383,9 @@ def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
 
 # ------------------------------------------------------------------------------------ orbax
 CHECKPOINT_MARKER = "jinfer_checkpoint.json"
+# The parameter layout a checkpoint holds. 2: stacked `wqkv` and `w_gate_up`. Version 1 was written
+# both before and after that change, so it is restored when its names match and refused otherwise.
+CHECKPOINT_VERSION = 2
 
 
 def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
@@ -398,7 +401,7 @@ def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
         loaded.tokenizer.save(directory)
     meta = {
         "format": "jinfer-checkpoint",
-        "version": 1,
+        "version": CHECKPOINT_VERSION,
         "model": loaded.config.to_dict(),
         "generation_defaults": loaded.generation_defaults,
         "converted_from": loaded.source,
@@ -414,6 +417,12 @@ def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None 
     directory = os.path.abspath(directory)
     with open(os.path.join(directory, CHECKPOINT_MARKER), encoding="utf-8") as f:
         meta = json.load(f)
+    version = meta.get("version")
+    if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{directory}: checkpoint format version {version!r}; this jinfer reads versions 1 to "
+            f"{CHECKPOINT_VERSION}: convert the source model again with this version (`jinfer convert`)"
+        )
     cfg = ModelConfig.from_dict(meta["model"])
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -423,7 +432,13 @@ def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None 
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(os.path.join(directory, "params"), target)
     except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"{directory}: cannot restore params: {e}") from None
+        hint = (
+            " (a version 1 checkpoint may hold the unstacked q/k/v and gate/up layout: convert the"
+            " source model again with `jinfer convert`)"
+            if version < CHECKPOINT_VERSION
+            else ""
+        )
+        raise CheckpointError(f"{directory}: cannot restore params: {e}{hint}") from None
     tokenizer = _maybe_tokenizer(directory)
     _check_vocab(cfg, tokenizer, directory)
     return LoadedModel(cfg, params, tokenizer, meta.get("generation_defaults", {}), directory)
