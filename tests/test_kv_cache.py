@@ -74,3 +74,22 @@ def test_decode_attention_kernel_equals_xla_attention(window, dtype):
     assert got.dtype == dtype
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= tolerance
+
+
+@pytest.mark.parametrize("window", [0, 300], ids=["causal", "sliding"])
+@pytest.mark.parametrize("start", [0, 250, 590], ids=["first-block", "across-blocks", "clamped-last-block"])
+def test_filled_attention_equals_attention_over_the_whole_row(start, window):
+    """Prompt tokens attend over blocks of their rows up to their own end: the same result as
+    attending over every position of the rows (a 600-position row: its last block is clamped)."""
+    slots, kv_heads, groups, chunk, length, head_dim = 5, 2, 3, 10, 600, 16
+    rng = np.random.RandomState(1)
+    rows = np.array([3, 1], np.int32)
+    q = jnp.asarray(rng.randn(len(rows), kv_heads, groups, chunk, head_dim), jnp.float32)
+    cache_k, cache_v = (
+        jnp.asarray(rng.randn(slots, kv_heads, length, head_dim), jnp.float32) for _ in range(2)
+    )
+    q_pos = np.broadcast_to(np.minimum(start + np.arange(chunk), length - 1), (len(rows), chunk))
+    got = llama.filled_attention(q, cache_k, cache_v, rows, q_pos, window)
+    key_positions = np.broadcast_to(np.arange(length), (len(rows), length))
+    want = llama.attention(q, cache_k[rows], cache_v[rows], q_pos, key_positions, window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -259,6 +259,69 @@ def attention(
     return jnp.einsum("bkgts,bksh->bkgth", probs, v, precision=precision)
 
 
+KEY_BLOCK = 256  # keys per iteration of `filled_attention`
+
+
+@jax.named_scope("attention")
+def filled_attention(
+    q: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    rows: jax.Array,
+    q_pos: jax.Array,
+    window: int,
+) -> jax.Array:
+    """Causal attention of prompt tokens over their cache rows, reading only the filled part.
+
+    q [B, K, G, T, H] at positions q_pos [B, T] (contiguous per row, their K/V already written);
+    cache_k, cache_v [slots, K, S, H]; rows [B] the cache rows. A loop over blocks of KEY_BLOCK keys
+    runs only up to the furthest query position (and, with a sliding window, from the first block
+    the window reaches), with an online softmax: a chunk at the start of a 2048-position slot
+    reads one block, not the whole row. Returns [B, K, G, T, H], as `attention` does.
+    """
+    batch, kv_heads, groups, t, h = q.shape
+    seq = cache_k.shape[2]
+    block = min(KEY_BLOCK, seq)
+    precision = full_precision(cache_v.dtype)
+    first = jnp.maximum(jnp.min(q_pos) - window + 1, 0) // block if window else 0
+    end = -(-(jnp.max(q_pos) + 1) // block)
+
+    def read(cache, start):  # [B, K, block, H]: each row's block, sliced in place (no row copy)
+        size = (1, kv_heads, block, h)
+        return jnp.concatenate([jax.lax.dynamic_slice(cache, (r, 0, start, 0), size) for r in rows])
+
+    def body(j, carry):
+        running_max, denominator, acc = carry
+        start = jnp.minimum(j * block, seq - block)  # a last, clamped block repeats some keys
+        keys, values = read(cache_k, start), read(cache_v, start)
+        k_pos = start + jnp.arange(block)
+        scores = jnp.einsum(
+            "bkgth,bksh->bkgts", q, keys, precision=precision, preferred_element_type=jnp.float32
+        ) * (1.0 / math.sqrt(h))
+        visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos >= j * block)[None, None, :]
+        if window:
+            visible &= q_pos[:, :, None] - k_pos[None, None, :] < window
+        visible = visible[:, None, None]  # [B, 1, 1, T, block]
+        new_max = jnp.maximum(running_max, jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1))
+        probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
+        rescale = jnp.exp(running_max - new_max)
+        denominator = denominator * rescale + jnp.sum(probs, axis=-1)
+        update = jnp.einsum(
+            "bkgts,bksh->bkgth",
+            probs.astype(values.dtype),
+            values,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        return new_max, denominator, acc * rescale[..., None] + update
+
+    shape = (batch, kv_heads, groups, t)
+    # A finite "no key yet" maximum: a query whose keys all lie in later blocks rescales by 1, not NaN.
+    init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape), jnp.zeros((*shape, h)))
+    _, denominator, acc = jax.lax.fori_loop(first, end, body, init)
+    return (acc / denominator[..., None]).astype(cache_v.dtype)
+
+
 class TokenGroup(NamedTuple):
     """Tokens that share one attention pattern within a forward pass.
 
@@ -372,6 +435,9 @@ def _attention_block(
             out = attention(gq, gk, gv, group.positions, group.positions, window)
         elif decode_kernel and group.rows is None and t == 1:
             out = decode_attention_kernel(gq, *cache_kv, group.positions[:, 0], window)
+        elif attn_len is None and t > 1:  # a prompt chunk of its own: blocks up to its end
+            rows = jnp.arange(b) if group.rows is None else group.rows
+            out = filled_attention(gq, *cache_kv, rows, group.positions, window)
         else:
             cache_k, cache_v = cache_kv
             rows = group.rows
@@ -409,7 +475,8 @@ def forward(
     at positions <= their own. Batch entry b uses cache row b (the cache may have more rows than
     the batch), or cache row rows[b] when `rows` [B] is given (prefill into chosen slots). With
     `attn_len` (static) attention reads only the first attn_len cache positions: decode cost then
-    follows the filled part of the cache, not its size.
+    follows the filled part of the cache, not its size. Without it, several tokens per row (a
+    prompt chunk) read their rows up to their own end (`filled_attention`), one token the whole row.
     Returns final-normed hidden states [B, T, D] and the cache.
     """
     (hidden,), cache = forward_groups(params, (TokenGroup(tokens, positions, rows),), cfg, cache, attn_len)
@@ -428,7 +495,9 @@ def forward_groups(
     attention per group (each attends only to its own rows). Returns hidden [B_i, T_i, D] per group.
 
     With `decode_kernel` (GPU, one device), one-token groups of cache rows 0..B-1 attend with
-    `decode_attention_kernel` instead of XLA's einsums (`attn_len` then applies to the others)."""
+    `decode_attention_kernel` instead of XLA's einsums (`attn_len` then applies to the others).
+    (A decode step carrying a prompt chunk passes `attn_len`: there the chunk is a few tokens, and
+    XLA:CPU ran the block loop of `filled_attention` slower than one product over the bucket.)"""
     groups = [g._replace(positions=jnp.asarray(g.positions, jnp.int32)) for g in groups]
     ids = jnp.concatenate([g.tokens.reshape(-1) for g in groups])
     x = params.embed[ids].T  # [D, N] columns
