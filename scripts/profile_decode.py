@@ -100,7 +100,10 @@ def profile(slots: int) -> dict:
     sampling = jinfer.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     llm.generate([PROMPT] * slots, sampling)  # fill the cache and state with real requests
     engine = llm.engine
-    bucket = engine.config.attention_buckets[1]
+    # The bucket holding every position the profiled calls reach: the requests' own, then
+    # 2 + 2 * CALLS more dispatches of decode_steps positions each.
+    reach = len(llm.tokenizer.encode(PROMPT)) + 32 + (2 + 2 * CALLS) * engine.config.decode_steps
+    bucket = engine.steps.attention_bucket(reach)
     decode = engine.steps.decode[slots, bucket]
     active = jnp.ones((slots,), bool)
     scopes = op_scopes(
