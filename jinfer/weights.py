@@ -386,6 +386,7 @@ CHECKPOINT_MARKER = "jinfer_checkpoint.json"
 # The parameter layout a checkpoint holds. 2: stacked `wqkv` and `w_gate_up`. Version 1 was written
 # both before and after that change, so it is restored when its names match and refused otherwise.
 CHECKPOINT_VERSION = 2
+_CONVERT_AGAIN = "convert the source model again with this jinfer (`jinfer convert`)"
 
 
 def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
@@ -421,7 +422,7 @@ def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None 
     if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
         raise CheckpointError(
             f"{directory}: checkpoint format version {version!r}; this jinfer reads versions 1 to "
-            f"{CHECKPOINT_VERSION}: convert the source model again with this version (`jinfer convert`)"
+            f"{CHECKPOINT_VERSION}: {_CONVERT_AGAIN}"
         )
     cfg = ModelConfig.from_dict(meta["model"])
     if shardings is None:
@@ -433,8 +434,7 @@ def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None 
             params = checkpointer.restore(os.path.join(directory, "params"), target)
     except (FileNotFoundError, ValueError) as e:
         hint = (
-            " (a version 1 checkpoint may hold the unstacked q/k/v and gate/up layout: convert the"
-            " source model again with `jinfer convert`)"
+            f" (a version 1 checkpoint may hold the unstacked q/k/v and gate/up layout: {_CONVERT_AGAIN})"
             if version < CHECKPOINT_VERSION
             else ""
         )

@@ -248,15 +248,25 @@ def attention(
     window. Both products keep (b, k) as leading batch dimensions and contract over a trailing
     dimension of the cache, so they read K and V in place. Returns [B, K, G, T, H].
     """
-    precision = full_precision(v.dtype)
+    scores = jnp.where(_visible(q_pos, k_pos, window), _scores(q, k), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bksh->bkgth", probs, v, precision=full_precision(v.dtype))
+
+
+def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """Scaled float32 scores [B, K, G, T, S] of q [B, K, G, T, H] against keys k [B, K, S, H]."""
+    precision = full_precision(k.dtype)
     scores = jnp.einsum("bkgth,bksh->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(q.shape[-1]))
-    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, T, S]
+    return scores * (1.0 / math.sqrt(q.shape[-1]))
+
+
+def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """Which keys each query sees, [B, 1, 1, T, S] (broadcasting over K and G): k_pos [B, S] at or
+    before q_pos [B, T], not empty (k_pos < 0), and within the sliding window when there is one."""
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
     if window:
         visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bksh->bkgth", probs, v, precision=precision)
+    return visible[:, None, None]
 
 
 KEY_BLOCK = 256  # keys per iteration of `filled_attention`
@@ -292,16 +302,12 @@ def filled_attention(
 
     def body(j, carry):
         running_max, denominator, acc = carry
-        start = jnp.minimum(j * block, seq - block)  # a last, clamped block repeats some keys
+        start = jnp.minimum(j * block, seq - block)
         keys, values = read(cache_k, start), read(cache_v, start)
         k_pos = start + jnp.arange(block)
-        scores = jnp.einsum(
-            "bkgth,bksh->bkgts", q, keys, precision=precision, preferred_element_type=jnp.float32
-        ) * (1.0 / math.sqrt(h))
-        visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos >= j * block)[None, None, :]
-        if window:
-            visible &= q_pos[:, :, None] - k_pos[None, None, :] < window
-        visible = visible[:, None, None]  # [B, 1, 1, T, block]
+        scores = _scores(q, keys)
+        # Keys below j * block are ones a clamped last block repeats: already counted.
+        visible = _visible(q_pos, jnp.broadcast_to(k_pos, (batch, block)), window) & (k_pos >= j * block)
         new_max = jnp.maximum(running_max, jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1))
         probs = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
         rescale = jnp.exp(running_max - new_max)
