@@ -339,9 +339,10 @@ class EngineConfig:
     # when prompts arrive. 0: prompts always get dispatches of their own (better time to first token).
     mixed_prefill_tokens: int = 0
     dtype: str = "float32"
-    # On a GPU, decode attention by a Pallas kernel that reads each slot's cache in place up to its
-    # own length (one device, 16-bit dtypes, a max_seq_len it can split: llama.decode_kernel_fits);
-    # False: XLA's einsums over the attention bucket.
+    # Decode attention by a kernel that reads each slot's cache in place up to its own length (on one
+    # device; see steps.attention_kernel): on a GPU JAX's Pallas kernel (16-bit dtypes, a max_seq_len
+    # it can split: llama.decode_kernel_fits), on a CPU jinfer's C++ kernel (float32; built with the
+    # machine's C++ compiler on first use). False: XLA's einsums over the attention bucket.
     decode_kernel: bool = True
     mesh_data: int = 1  # devices along the data axis (slots are split over it)
     mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)

@@ -44,6 +44,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import COLUMN_TILE, EngineConfig, ModelConfig
+from jinfer.kernels import cpu_attention
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, sample, token_logprobs
@@ -234,7 +235,7 @@ def _decode(
     vocab,
     steps,
     attn_len,
-    decode_kernel,
+    attention_kernel,
 ):
     """`steps` decode steps for slots 0..rows-1; with a prompt chunk, one step that also prefills it.
 
@@ -251,7 +252,7 @@ def _decode(
         groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None])]
         if chunk is not None:
             groups.append(_chunk_group(chunk))
-        hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, decode_kernel)
+        hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, attention_kernel)
         last = hidden[0][:, 0]  # [rows, D]
         if chunk is not None:
             # The chunk's last position joins the rows in one lm_head product, padded to whole
@@ -318,7 +319,7 @@ class Steps:
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
-    attention_buckets: tuple[int, ...]  # the engine's, or only max_seq_len with the decode kernel
+    attention_buckets: tuple[int, ...]  # the engine's, or only max_seq_len with an attention kernel
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
     clear_slot: callable  # (cache, slot) -> cache
@@ -370,17 +371,20 @@ class Steps:
         return jax.jit(make, out_shardings=self.state_shardings)()
 
 
-def uses_decode_kernel(engine: EngineConfig, mesh: Mesh) -> bool:
-    """Whether decode attends with `llama.decode_attention_kernel`: asked for, on a GPU, on one
-    device (the kernel has no sharding rule), 16-bit (its float32 products would round to TF32),
-    and a cache length it can split."""
-    return (
-        engine.decode_kernel
-        and jax.default_backend() == "gpu"
-        and mesh.size == 1
-        and engine.dtype != "float32"
-        and llama.decode_kernel_fits(engine.max_seq_len)
-    )
+def attention_kernel(engine: EngineConfig, model: ModelConfig, mesh: Mesh) -> str | None:
+    """Which kernel decode attends with (`llama.forward_groups`), when `engine.decode_kernel` asks
+    for one and the mesh is a single device (neither kernel has a sharding rule):
+    "gpu": the Pallas kernel, for 16-bit caches (its float32 products would round to TF32) of a
+    length it can split; "cpu": the C++ kernel, for float32 caches and a head_dim of whole 8-lane
+    vectors, once it is built (`cpu_attention.available`). None: XLA's einsums."""
+    if not engine.decode_kernel or mesh.size != 1:
+        return None
+    backend = jax.default_backend()
+    if backend == "gpu" and engine.dtype != "float32" and llama.decode_kernel_fits(engine.max_seq_len):
+        return "gpu"
+    if backend == "cpu" and engine.dtype == "float32" and model.head_dim % 8 == 0:
+        return "cpu" if cpu_attention.available() else None
+    return None
 
 
 def build_steps(
@@ -404,17 +408,17 @@ def build_steps(
         sampling=SamplingArrays(*([by_slot] * len(dataclasses.fields(SamplingArrays)))),
     )
     common = {"cfg": model, "vocab": vocab_size}
-    decode_kernel = uses_decode_kernel(engine, mesh)
-    # The kernel reads each row up to its own length: one bucket will do (it bounds only the
-    # attention of a prompt chunk carried by a decode step).
-    attention_buckets = (engine.max_seq_len,) if decode_kernel else engine.attention_buckets
+    kernel = attention_kernel(engine, model, mesh)
+    # A kernel reads each row up to its own length: one bucket will do (with the GPU kernel it
+    # bounds only the attention of a prompt chunk carried by a decode step).
+    attention_buckets = (engine.max_seq_len,) if kernel else engine.attention_buckets
     carried = (cache_shardings, state_shardings)
 
     def jit_decode(attn_len, mixed):
         # A dispatch carrying a prompt chunk is a single decode step: its cost stays close to one
         # plain step, which is the point of mixing.
         steps = 1 if mixed else engine.decode_steps
-        fn = partial(_decode, steps=steps, attn_len=attn_len, decode_kernel=decode_kernel, **common)
+        fn = partial(_decode, steps=steps, attn_len=attn_len, attention_kernel=kernel, **common)
         return jax.jit(
             fn,
             in_shardings=(param_shardings, *carried, by_slot, replicated) + ((replicated,) if mixed else ()),

@@ -14,9 +14,13 @@ Measured side by side in one run (the machines are shared and noisy, so only rat
     and llama.cpp at batch 1 on the F32 GGUF and on the embedded Q4_1 GGUF, runs alternating with
     jinfer's; time to load each;
   * the same for a random-weight Llama-shaped model of ~0.9 GB (jinfer and transformers);
+  * decode at a long context (SmolLM2, 1 and 8 slots at position --context): jinfer's compiled
+    decode with its attention kernel against the same engine on XLA's einsums (decode_kernel=False),
+    against transformers and (batch 1) llama.cpp decoding after a prompt of that length; MBU counts
+    the K/V of the filled positions, which at 8 slots x 1024 positions weigh as much as the weights;
   * the compile count during every measured phase (must be zero).
 
-    python scripts/bench_decode.py [--slots 1,2,4,8,16,32] [--tokens 64] [--out results]
+    python scripts/bench_decode.py [--slots 1,2,4,8,16,32] [--tokens 64] [--context 1024] [--out results]
 
 Writes results/bench_decode.{json,md,png}. llama.cpp: `pip install llama-cpp-python==0.3.36`
 (compiles llama.cpp, ~10 minutes on 2 cores); its converter is fetched from PyPI's source archive.
@@ -29,6 +33,8 @@ import os
 import sys
 import time
 
+import jax.numpy as jnp
+import numpy as np
 from benchlib import (
     PROMPT,
     decode_weight_bytes,
@@ -90,22 +96,22 @@ def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) ->
 class LlamaCpp:
     """llama.cpp through llama-cpp-python: batch-1 greedy decode tokens/s on one GGUF."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, context: int = 512):
         from llama_cpp import Llama
 
         start = time.perf_counter()
-        self.model = Llama(model_path=path, n_ctx=512, n_threads=os.cpu_count(), verbose=False)
+        self.model = Llama(model_path=path, n_ctx=context, n_threads=os.cpu_count(), verbose=False)
         self.load_s = time.perf_counter() - start
         self.model(PROMPT, max_tokens=4)
 
-    def decode(self, tokens: int) -> float:
-        self.model(PROMPT, max_tokens=1, temperature=0)
+    def decode(self, tokens: int, prompt: str | list[int] = PROMPT) -> float:
+        self.model(prompt, max_tokens=1, temperature=0)
         start = time.perf_counter()
-        self.model(PROMPT, max_tokens=1, temperature=0)
+        self.model(prompt, max_tokens=1, temperature=0)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
         no_eos = {self.model.token_eos(): -1e9}  # a fixed output length, like ignore_eos
-        out = self.model(PROMPT, max_tokens=tokens, temperature=0, logit_bias=no_eos)
+        out = self.model(prompt, max_tokens=tokens, temperature=0, logit_bias=no_eos)
         return (out["usage"]["completion_tokens"] - 1) / (time.perf_counter() - start - prefill)
 
 
@@ -179,6 +185,71 @@ def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceilin
     return {"model": label, "weights_bytes": weights, "decode": rows, "prefill": prefill, "load": loads}
 
 
+def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool) -> dict[str, float]:
+    """jinfer's compiled decode (4 steps a call) for `slots` busy slots from position `context` on:
+    best of three timings of `calls` back-to-back calls on the engine's own cache and state."""
+    llm = jinfer.LLM(
+        path, max_slots=slots, max_seq_len=2 * context, prefill_buckets=(16,), decode_kernel=kernel
+    )
+    engine = llm.engine
+    steps_per_call = engine.config.decode_steps
+    decode = engine.steps.decode[slots, engine.steps.attention_bucket(context + calls * steps_per_call + 1)]
+    active = np.ones(slots, bool)
+    cache, state = engine.cache, engine.state
+    best = float("inf")
+    for round_ in range(4):  # the first round compiles and warms up
+        state = state.replace(positions=jnp.full_like(state.positions, context))
+        before = engine.compile_count()
+        start = time.perf_counter()
+        for _ in range(calls):
+            cache, state, out = decode(engine.params, cache, state, active, np.False_)
+        out.tokens.block_until_ready()
+        if round_:
+            best = min(best, (time.perf_counter() - start) / (calls * steps_per_call))
+            compiles = engine.compile_count() - before
+    engine.cache, engine.state = cache, state  # donated: the engine keeps the live buffers
+    weights = decode_weight_bytes(engine.params)
+    per_position = cache_bytes(engine.steps.model, 1, 1, engine.params.final_norm.dtype)
+    filled = context + calls * steps_per_call / 2
+    return {"step_s": best, "needed_bytes": weights + slots * filled * per_position, "compiles": compiles}
+
+
+def bench_long_context(jinfer_path, hf_dir, cpp_path, args, ceiling) -> list[dict]:
+    """Decode after `args.context` positions: jinfer with its kernel and on XLA's einsums, the peers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    prompt = jinfer.load_tokenizer(jinfer_path).encode(PROMPT * args.context)[: args.context]
+    cpp = LlamaCpp(cpp_path, context=2 * args.context) if cpp_path else None
+    calls = max(1, args.tokens // 4)
+    rows = []
+    for slots in (1, 8):
+        progress(f"long context: {slots} slots at position {args.context}, kernel then einsums")
+        kernel = jinfer_step_at(jinfer_path, slots, args.context, calls, kernel=True)
+        einsum = jinfer_step_at(jinfer_path, slots, args.context, calls, kernel=False)
+        progress(f"long context: transformers, batch {slots}")
+        peer = transformers_decode(hf, torch.tensor([prompt]), slots, args.tokens)
+        row = {
+            "slots": slots,
+            "context": args.context,
+            "jinfer_tokens_per_s": slots / kernel["step_s"],
+            "step_ms": kernel["step_s"] * 1e3,
+            "mbu": kernel["needed_bytes"] / kernel["step_s"] / (ceiling["bandwidth_gb_s"] * 1e9),
+            "einsum_tokens_per_s": slots / einsum["step_s"],
+            "vs_einsum": einsum["step_s"] / kernel["step_s"],
+            "transformers_tokens_per_s": peer,
+            "vs_transformers": slots / kernel["step_s"] / peer,
+            "compiles_in_measured_phase": kernel["compiles"] + einsum["compiles"],
+        }
+        if cpp and slots == 1:
+            progress("long context: llama.cpp, batch 1")
+            row["llama_cpp_f32_tokens_per_s"] = cpp.decode(args.tokens, prompt)
+            row["vs_llama_cpp_f32"] = row["jinfer_tokens_per_s"] / row["llama_cpp_f32_tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
 def report(result: dict) -> str:
     ceiling = result["ceiling"]
     parts = [
@@ -219,6 +290,15 @@ def report(result: dict) -> str:
             f"MFU {p['mfu']:.2f}, compiles {p['compiles_in_measured_phase']}. "
             "Load: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in model["load"].items())
         )
+    if result.get("long_context"):
+        rows = result["long_context"]
+        parts.append(f"\n### SmolLM2-135M decoding at position {rows[0]['context']}\n")
+        columns = ["slots", "jinfer tok/s", "step ms", "MBU", "einsum tok/s", "x einsum"]
+        columns += ["transformers tok/s", "x transformers", "llama.cpp tok/s", "x llama.cpp", "compiles"]
+        keys = ["slots", "jinfer_tokens_per_s", "step_ms", "mbu", "einsum_tokens_per_s", "vs_einsum"]
+        keys += ["transformers_tokens_per_s", "vs_transformers", "llama_cpp_f32_tokens_per_s"]
+        keys += ["vs_llama_cpp_f32", "compiles_in_measured_phase"]
+        parts.append(markdown_table(columns, [[r.get(k) for k in keys] for r in rows]))
     return "\n".join(parts)
 
 
@@ -253,6 +333,9 @@ def main() -> int:
     parser.add_argument("--large-slots", default="1,8", help="slot counts for the ~0.9 GB random model")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (best kept)")
+    parser.add_argument(
+        "--context", type=int, default=1024, help="position of the long-context rows (0: none)"
+    )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     work = os.path.join(args.out, ".models")
@@ -283,13 +366,17 @@ def main() -> int:
         )
     ]
     del cpp
+    long_context = None
+    if args.context:
+        cpp_path = smol_jinfer if llama_cpp_available() else None
+        long_context = bench_long_context(smol_jinfer, smol_hf, cpp_path, args, ceiling)
     if args.large_slots:
         progress("writing a random ~0.9 GB Llama-shaped model")
         large = random_llama_dir(os.path.join(work, "random-llama-0.9gb"), smol_hf)
         slots = [int(s) for s in args.large_slots.split(",")]
         models.append(bench_model("random Llama 0.9 GB", large, large, slots, {}, args, ceiling))
 
-    result = {"ceiling": ceiling, "models": models, "tokens": args.tokens}
+    result = {"ceiling": ceiling, "models": models, "tokens": args.tokens, "long_context": long_context}
     write_results(args.out, "bench_decode", result, report(result))
     plot(result, os.path.join(args.out, "bench_decode.png"))
     return 0

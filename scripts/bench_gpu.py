@@ -50,7 +50,7 @@ from jinfer.kv_cache import cache_bytes
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
-from jinfer.steps import build_steps, prefill_chunk_arrays, uses_decode_kernel
+from jinfer.steps import attention_kernel, build_steps, prefill_chunk_arrays
 
 SHAPES = {
     "llama3-8b": {
@@ -219,7 +219,7 @@ def main() -> int:
     for slots in slot_counts:
         base = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
         variants = {"einsum": dataclasses.replace(base, decode_kernel=False)}
-        if uses_decode_kernel(base, mesh):
+        if attention_kernel(base, cfg, mesh):
             variants = {"kernel": base, **variants}
         for attention, engine in variants.items():
             steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)

@@ -336,7 +336,7 @@ def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
 
     from jinfer import steps
 
-    monkeypatch.setattr(steps, "uses_decode_kernel", lambda engine, mesh: True)
+    monkeypatch.setattr(steps, "attention_kernel", lambda engine, model, mesh: "gpu")
     monkeypatch.setattr(
         llama, "decode_attention_kernel", partial(llama.decode_attention_kernel, interpret=True)
     )
@@ -347,5 +347,21 @@ def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
     samplings = [jinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 6
     got = [o.token_ids for o in llm.generate(prompts, samplings)]
     monkeypatch.undo()
-    reference = jinfer.LLM(tiny_model("mistral_sliding")[0], **options)
+    reference = jinfer.LLM(tiny_model("mistral_sliding")[0], decode_kernel=False, **options)
     assert got == [o.token_ids for o in reference.generate(prompts, samplings)]
+
+
+def test_cpu_attention_kernel_gives_the_einsum_tokens(tiny_model):
+    """On a CPU the engine attends with the C++ kernel, decode rows and prompt chunks carried by
+    decode steps alike, and needs no attention buckets; with decode_kernel=False it attends with
+    XLA's einsums over the buckets. Both decode the same greedy tokens (sliding-window model)."""
+    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
+    options["mixed_prefill_tokens"] = 8
+    prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some are carried
+    samplings = [jinfer.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 6
+    kernel = jinfer.LLM(tiny_model("mistral_sliding")[0], **options)
+    assert kernel.engine.steps.attention_buckets == (256,)
+    einsum = jinfer.LLM(tiny_model("mistral_sliding")[0], decode_kernel=False, **options)
+    assert einsum.engine.steps.attention_buckets == (64, 128, 256)
+    got = [o.token_ids for o in kernel.generate(prompts, samplings)]
+    assert got == [o.token_ids for o in einsum.generate(prompts, samplings)]

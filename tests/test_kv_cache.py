@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 from tiny import VOCAB
 
+from jinfer.kernels import cpu_attention
 from jinfer.kv_cache import init_cache
 from jinfer.models import llama
 from jinfer.weights import load_hf
 
 
+@pytest.mark.parametrize("kernel", [None, "cpu"], ids=["einsum", "cpu-kernel"])
 @pytest.mark.parametrize("family", ["mistral_sliding", "qwen3_qknorm", "llama3_rope_tied"])
-def test_prefill_then_decode_equals_full_forward(family, tiny_model):
+def test_prefill_then_decode_equals_full_forward(family, kernel, tiny_model):
     directory, _ = tiny_model(family)
     loaded = load_hf(directory)
     params, cfg = loaded.params, loaded.config
@@ -28,7 +30,15 @@ def test_prefill_then_decode_equals_full_forward(family, tiny_model):
     tokens[:, :prompt_len] = ids[:, :prompt_len]
     hidden, cache = llama.forward(params, tokens, np.broadcast_to(np.arange(padded), (2, padded)), cfg, cache)
     step_logits = [np.asarray(llama.logits(params, hidden[:, prompt_len - 1]))]
-    decode = jax.jit(lambda p, t, pos, c: llama.forward(p, t, pos, cfg, c), donate_argnums=3)
+    if kernel:
+        assert cpu_attention.available()
+
+    def decode_step(p, tokens, positions, cache):
+        group = llama.TokenGroup(tokens, positions)
+        (hidden,), cache = llama.forward_groups(p, (group,), cfg, cache, attention_kernel=kernel)
+        return hidden, cache
+
+    decode = jax.jit(decode_step, donate_argnums=3)
     for pos in range(prompt_len, total):
         hidden, cache = decode(params, ids[:, pos : pos + 1], jnp.full((2, 1), pos, jnp.int32), cache)
         step_logits.append(np.asarray(llama.logits(params, hidden[:, 0])))
@@ -93,3 +103,61 @@ def test_filled_attention_equals_attention_over_the_whole_row(start, window):
     key_positions = np.broadcast_to(np.arange(length), (len(rows), length))
     want = llama.attention(q, cache_k[rows], cache_v[rows], q_pos, key_positions, window)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("batch", "tokens", "head_dim", "length", "window"),
+    [
+        (4, 1, 64, 1024, 0),  # decoding rows, one split each
+        (1, 1, 64, 2048, 0),  # one long row: its keys split over tasks, partial sums merged
+        (3, 1, 16, 300, 40),  # sliding window
+        (1, 13, 24, 600, 0),  # a prompt chunk in a chosen row, causal within itself
+        (2, 7, 64, 400, 50),  # chunks with a window reaching back into earlier blocks
+    ],
+)
+def test_cpu_attention_kernel_equals_xla_attention(batch, tokens, head_dim, length, window):
+    """The C++ kernel reads rows `rows` of the cache in place up to each query's position; XLA's
+    einsum attention over the gathered rows is the reference. A query at a negative position (an
+    inactive slot) sees nothing and gets zeros."""
+    assert cpu_attention.available()
+    kv_heads, groups, cache_rows = 2, 3, 5
+    rng = np.random.RandomState(1)
+    q = jnp.asarray(rng.randn(batch, kv_heads, groups, tokens, head_dim), jnp.float32)
+    cache_k, cache_v = (
+        jnp.asarray(rng.randn(cache_rows, kv_heads, length, head_dim), jnp.float32) for _ in "kv"
+    )
+    rows = jnp.asarray(rng.permutation(cache_rows)[:batch], jnp.int32)
+    starts = np.array([length - tokens, 0, 170, 33][:batch])  # the last and first positions, and between
+    positions = starts[:, None] + np.arange(tokens)
+    if batch > 1:
+        positions[1] = -1  # an inactive row
+    got = np.asarray(
+        jax.jit(cpu_attention.attention, static_argnums=5)(q, cache_k, cache_v, rows, positions, window)
+    )
+    key_positions = np.broadcast_to(np.arange(length), (batch, length))
+    want = np.asarray(llama.attention(q, cache_k[rows], cache_v[rows], positions, key_positions, window))
+    active = positions[:, 0] >= 0
+    assert np.abs(got[active] - want[active]).max() <= 2e-6
+    assert np.all(got[~active] == 0)
+
+
+def test_cpu_attention_kernel_that_cannot_be_built_leaves_xla_attention(
+    tmp_path, monkeypatch, caplog, tiny_model
+):
+    """A failing build is a warning that says why, not an error: the engine attends with XLA's
+    einsums over attention buckets instead."""
+    import logging
+
+    import jinfer
+
+    monkeypatch.setenv("JINFER_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    with caplog.at_level(logging.WARNING, logger="jinfer.kernels.cpu_attention"):
+        assert cpu_attention.available.__wrapped__() is False
+    assert "CPU attention kernel unavailable" in caplog.text
+    assert "non-zero exit status" in caplog.text
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=256)
+    assert llm.engine.steps.attention_buckets == (64, 128, 256)
+    out = llm.generate(["hello"], jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

@@ -7,7 +7,8 @@ scaling), never by code paths chosen from strings at run time.
 Data flow:  tokens [B, T] -> embed -> num_layers x (RMSNorm, GQA attention with RoPE, RMSNorm,
 SwiGLU MLP) -> final RMSNorm -> hidden [B, T, D];  `logits(params, hidden)` -> [B, T, V].
 `forward_groups` runs several token groups (decoding slots, a prompt chunk) through one pass of
-the weights, each with its own attention; on a GPU one-token groups may attend with a Pallas kernel.
+the weights, each with its own attention; on a GPU one-token groups may attend with a Pallas kernel,
+on a CPU every group that reads the cache with a C++ one (`jinfer.kernels.cpu_attention`).
 
 Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode.py):
   * Weights are stored as Hugging Face stores them, output features first ([out..., in]), so each
@@ -45,6 +46,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.config import ModelConfig, RopeConfig
+from jinfer.kernels import cpu_attention
 from jinfer.kv_cache import KVCache, write_kv
 
 
@@ -400,7 +402,7 @@ def _attention_block(
     attn_len: int | None,
     window: int,
     cfg: ModelConfig,
-    decode_kernel: bool,
+    attention_kernel: str | None,
 ):
     """x [D, N] columns (the groups' tokens in order) -> attention output [D, N], updated cache."""
     groups_per_kv = cfg.num_groups
@@ -439,8 +441,12 @@ def _attention_block(
         b, t = group.tokens.shape
         if cache_kv is None:
             out = attention(gq, gk, gv, group.positions, group.positions, window)
-        elif decode_kernel and group.rows is None and t == 1:
+        elif attention_kernel == "gpu" and group.rows is None and t == 1:
             out = decode_attention_kernel(gq, *cache_kv, group.positions[:, 0], window)
+        elif attention_kernel == "cpu":
+            rows = jnp.arange(b) if group.rows is None else group.rows
+            with jax.named_scope("attention"):
+                out = cpu_attention.attention(gq, *cache_kv, rows, group.positions, window)
         elif attn_len is None and t > 1:  # a prompt chunk of its own: blocks up to its end
             rows = jnp.arange(b) if group.rows is None else group.rows
             out = filled_attention(gq, *cache_kv, rows, group.positions, window)
@@ -495,15 +501,18 @@ def forward_groups(
     cfg: ModelConfig,
     cache: KVCache | None = None,
     attn_len: int | None = None,
-    decode_kernel: bool = False,
+    attention_kernel: str | None = None,
 ) -> tuple[tuple[jax.Array, ...], KVCache | None]:
     """`forward` over several token groups at once: one pass of every weight over all their columns,
     attention per group (each attends only to its own rows). Returns hidden [B_i, T_i, D] per group.
 
-    With `decode_kernel` (GPU, one device), one-token groups of cache rows 0..B-1 attend with
-    `decode_attention_kernel` instead of XLA's einsums (`attn_len` then applies to the others).
-    (A decode step carrying a prompt chunk passes `attn_len`: there the chunk is a few tokens, and
-    XLA:CPU ran the block loop of `filled_attention` slower than one product over the bucket.)"""
+    `attention_kernel` (static) replaces XLA's einsums over the cache: "gpu" (one device) attends
+    one-token groups of cache rows 0..B-1 with `decode_attention_kernel` (`attn_len` then applies
+    to the others); "cpu" (one device, float32) attends every group with the C++ kernel of
+    `jinfer.kernels.cpu_attention`, which reads each row in place up to its queries' positions.
+    (Without a kernel, a decode step carrying a prompt chunk passes `attn_len`: there the chunk is a
+    few tokens, and XLA:CPU ran the block loop of `filled_attention` slower than one product over
+    the bucket.)"""
     groups = [g._replace(positions=jnp.asarray(g.positions, jnp.int32)) for g in groups]
     ids = jnp.concatenate([g.tokens.reshape(-1) for g in groups])
     x = params.embed[ids].T  # [D, N] columns
@@ -514,7 +523,7 @@ def forward_groups(
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         window = cfg.sliding_windows[i]
         attn, kv = _attention_block(
-            layer, h, cos, sin, groups, layer_cache, attn_len, window, cfg, decode_kernel
+            layer, h, cos, sin, groups, layer_cache, attn_len, window, cfg, attention_kernel
         )
         x = x + attn
         x = x + _mlp_block(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))

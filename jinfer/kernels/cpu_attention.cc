@@ -1,0 +1,323 @@
+// Attention of a few query tokens per cache row over that row's filled keys, for XLA:CPU.
+//
+// A decode step on a CPU spent most of its time, at long contexts, on attention: XLA's einsums
+// read a fixed bucket of each row (copying the slice out of the cache first) through small batched
+// products. This kernel reads each row in place, only the keys its queries can see, once: per
+// (row, kv head) it streams blocks of keys and values through L1 with an online softmax, and
+// XLA's own CPU threads share the (row, kv head, key range) tasks.
+//
+// Operands (all row-major, float32 except the int32 indices):
+//   q         [B, K, G, T, H]  queries grouped by kv head (T tokens per row: 1 when decoding)
+//   cache_k/v [R, K, S, H]     the layer's cache; batch entry b reads cache row rows[b]
+//   rows      [B]
+//   positions [B, T]           each query's position: it sees keys s <= position, and with a
+//                              sliding window only position - s < window; a negative position
+//                              sees nothing (its output is zero)
+// Result: out [B, K, G, T, H]. Attributes: window (0: none), scale (applied to q . k).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float f8 __attribute__((vector_size(32)));  // 8 lanes: AVX registers on x86
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+constexpr int kBlock = 32;  // keys per block: a block of K and V rows stays in L1 across queries
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead key and value rows are prefetched
+constexpr int64_t kKeysPerHelper = 2048;  // (row, kv head, key) triples: below, one thread
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline f8 Splat(float x) { return f8{} + x; }
+inline f8 Load(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void Store(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+inline float Sum(f8 v) {
+  float s = 0;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// exp(x), 8 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n through the
+// exponent bits); relative error ~2e-7. Lanes at -inf give 0.
+inline f8 Exp(f8 x) {
+  const f8 input = x;
+  x = x < Splat(-87.3f) ? Splat(-87.3f) : x;
+  x = x > Splat(88.3f) ? Splat(88.3f) : x;
+  const f8 t = x * 1.44269504088896341f + 0.5f;
+  i8 n = __builtin_convertvector(t, i8);
+  n += __builtin_convertvector(n, f8) > t;  // truncation -> floor (a true lane is -1)
+  const f8 nf = __builtin_convertvector(n, f8);
+  const f8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  f8 p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i8 bits = (n + 127) << 23;
+  f8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return input == Splat(kNegInf) ? Splat(0.0f) : p * scale;
+}
+
+struct Dims {
+  int64_t batch, kv_heads, groups, tokens, head_dim, cache_rows, seq;
+  int64_t queries() const { return groups * tokens; }
+};
+
+// The 8 sums of a[0..7]'s lanes, in order: a pairwise transpose-and-add (3 rounds of shuffles)
+// instead of 8 separate horizontal sums.
+inline f8 Sums8(const f8* a) {
+  f8 b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // lanes: a0 a0 a2 a2 a1 a1 a3 a3 (and 4..7)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const f8 d = __builtin_shufflevector(c[0], c[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(c[0], c[1], 1, 9, 3, 11, 5, 13, 7, 15);  // a0 a4 a2 a6 a1 a5 a3 a7
+  return __builtin_shufflevector(d, d, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+
+// scores[j] = scale * q . keys[j] for j in [0, n): 8 keys at a time, then one by one.
+inline void Scores(const float* q, const float* keys, int64_t n, int64_t H, float scale, float* scores) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    f8 dots[8] = {};
+    for (int64_t v = 0; v < H; v += 8) {
+      const f8 qv = Load(q + v);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) dots[i] += qv * Load(keys + (j + i) * H + v);
+    }
+    Store(scores + j, Sums8(dots) * scale);
+  }
+  for (; j < n; ++j) {
+    f8 dot = Splat(0.0f);
+    for (int64_t v = 0; v < H; v += 8) dot += Load(q + v) * Load(keys + j * H + v);
+    scores[j] = Sum(dot) * scale;
+  }
+}
+
+// out[0..8W) = out * rescale + sum_j p[j] * values[j][0..8W): W vectors of running sums in registers.
+template <int W>
+inline void Accumulate(float* out, const float* p, const float* values, int64_t n, int64_t H,
+                       float rescale) {
+  f8 sums[W];
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) sums[w] = Load(out + 8 * w) * rescale;
+  for (int64_t j = 0; j < n; ++j) {
+    const f8 pj = Splat(p[j]);
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) sums[w] += pj * Load(values + j * H + 8 * w);
+  }
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) Store(out + 8 * w, sums[w]);
+}
+
+// The queries of one (row, kv head) over keys [lo, hi): q [Q, H] (query g * T + t at position
+// positions[t]), keys and values [S, H] of that row and head; online-softmax state per query:
+// running max and denominator [Q], output sums acc [Q, H].
+void AttendRange(const Dims& d, const float* q, const float* keys, const float* values,
+                 const int32_t* positions, int64_t window, float scale, int64_t lo, int64_t hi,
+                 float* max, float* denominator, float* acc) {
+  const int64_t H = d.head_dim;
+  alignas(32) float scores[kBlock];
+  for (int64_t j0 = lo; j0 < hi; j0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, hi - j0);
+    // Ask for a later block now: the hardware prefetcher stops at each 4 KiB page.
+    const int64_t ahead = j0 + kPrefetchBlocks * kBlock;
+    for (int64_t offset = 0; offset < std::min<int64_t>(kBlock, hi - ahead) * H; offset += 16) {
+      __builtin_prefetch(keys + ahead * H + offset);
+      __builtin_prefetch(values + ahead * H + offset);
+    }
+    for (int64_t query = 0; query < d.queries(); ++query) {
+      const int64_t position = positions[query % d.tokens];
+      const int64_t first = window ? std::max<int64_t>(0, position - window + 1) : 0;
+      const int64_t begin = std::max<int64_t>(first - j0, 0);
+      const int64_t end = std::min<int64_t>(position - j0 + 1, n);
+      if (begin >= end) continue;  // nothing this query sees in the block (or at all)
+      Scores(q + query * H, keys + (j0 + begin) * H, end - begin, H, scale, scores + begin);
+      std::fill(scores, scores + begin, kNegInf);
+      std::fill(scores + end, scores + kBlock, kNegInf);
+      f8 top = Splat(kNegInf);
+      for (int j = 0; j < kBlock; j += 8) {
+        const f8 s = Load(scores + j);
+        top = s > top ? s : top;
+      }
+      float block_max = top[0];
+      for (int i = 1; i < 8; ++i) block_max = std::max(block_max, top[i]);
+      const float new_max = std::max(max[query], block_max);
+      const float rescale = std::exp(max[query] - new_max);  // 0 for the first block it sees
+      max[query] = new_max;
+      f8 total = Splat(0.0f);
+      for (int j = 0; j < kBlock; j += 8) {
+        const f8 p = Exp(Load(scores + j) - new_max);
+        Store(scores + j, p);
+        total += p;
+      }
+      denominator[query] = denominator[query] * rescale + Sum(total);
+      float* out = acc + query * H;
+      const float* p = scores + begin;
+      const float* v_rows = values + (j0 + begin) * H;
+      int64_t h = 0;
+      for (; h + 64 <= H; h += 64) Accumulate<8>(out + h, p, v_rows + h, end - begin, H, rescale);
+      for (; h < H; h += 8) Accumulate<1>(out + h, p, v_rows + h, end - begin, H, rescale);
+    }
+  }
+}
+
+// Tasks are (row, kv head, split) triples; helper tasks on XLA's pool and the calling thread
+// claim them from a counter, so the caller finishes alone if no helper gets to run.
+struct Job {
+  Dims d;
+  const float *q, *cache_k, *cache_v;
+  const int32_t *rows, *positions;
+  int64_t window, splits, tasks;
+  float scale;
+  // Online-softmax state per task and query: running max, denominator, output sums [H].
+  std::vector<float> max, denominator, acc;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  // The keys any query of batch entry b sees: [lo, hi).
+  void KeyRange(int64_t b, int64_t* lo, int64_t* hi) const {
+    *lo = d.seq;
+    *hi = 0;
+    for (int64_t t = 0; t < d.tokens; ++t) {
+      const int64_t position = std::min<int64_t>(positions[b * d.tokens + t], d.seq - 1);
+      if (position < 0) continue;
+      *lo = std::min<int64_t>(*lo, window ? std::max<int64_t>(0, position - window + 1) : 0);
+      *hi = std::max<int64_t>(*hi, position + 1);
+    }
+  }
+
+  void Run(int64_t task) {
+    const int64_t split = task % splits, pair = task / splits;
+    const int64_t b = pair / d.kv_heads, k = pair % d.kv_heads;
+    int64_t lo, hi;
+    KeyRange(b, &lo, &hi);
+    const int64_t Q = d.queries(), H = d.head_dim;
+    if (lo >= hi) return;
+    // Equal splits in whole blocks; later splits may be empty.
+    const int64_t per_split = (hi - lo + splits * kBlock - 1) / (splits * kBlock) * kBlock;
+    const int64_t begin = lo + split * per_split, end = std::min(hi, begin + per_split);
+    if (begin >= end) return;
+    const int64_t row_offset = (rows[b] * d.kv_heads + k) * d.seq * H;
+    AttendRange(d, q + (b * d.kv_heads + k) * Q * H, cache_k + row_offset, cache_v + row_offset,
+                positions + b * d.tokens, window, scale, begin, end, &max[task * Q],
+                &denominator[task * Q], &acc[task * Q * H]);
+  }
+
+  void Work() {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      Run(t);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  // out[b, k] = the splits' sums, each rescaled to the common maximum, over their denominators.
+  void Merge(float* out) const {
+    const int64_t Q = d.queries(), H = d.head_dim;
+    for (int64_t pair = 0; pair < d.batch * d.kv_heads; ++pair) {
+      for (int64_t query = 0; query < Q; ++query) {
+        auto at = [&](int64_t s) { return (pair * splits + s) * Q + query; };
+        float top = kNegInf;
+        for (int64_t s = 0; s < splits; ++s) top = std::max(top, max[at(s)]);
+        float* o = out + (pair * Q + query) * H;
+        std::fill(o, o + H, 0.0f);
+        if (top == kNegInf) continue;  // no visible key
+        float total = 0.0f;
+        for (int64_t s = 0; s < splits; ++s) {
+          if (max[at(s)] == kNegInf) continue;
+          const float w = std::exp(max[at(s)] - top);
+          total += w * denominator[at(s)];
+          const float* a = &acc[at(s) * H];
+          for (int64_t h = 0; h < H; ++h) o[h] += w * a[h];
+        }
+        for (int64_t h = 0; h < H; ++h) o[h] /= total;
+      }
+    }
+  }
+};
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
+                     ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> rows,
+                     ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
+                     int64_t window, float scale) {
+  const auto qd = q.dimensions(), cd = cache_k.dimensions(), vd = cache_v.dimensions();
+  if (qd.size() != 5 || cd.size() != 4 || !std::equal(cd.begin(), cd.end(), vd.begin(), vd.end()) ||
+      qd[1] != cd[1] ||
+      qd[4] != cd[3] || qd[4] % 8 || rows.element_count() != qd[0] ||
+      positions.element_count() != qd[0] * qd[3])
+    return ffi::Error::InvalidArgument(
+        "jinfer cpu attention: q [B, K, G, T, H], cache [R, K, S, H] (H a multiple of 8), "
+        "rows [B], positions [B, T] expected");
+  auto job = std::make_shared<Job>();
+  job->d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], cd[0], cd[2]};
+  for (int64_t b = 0; b < qd[0]; ++b)
+    if (rows.typed_data()[b] < 0 || rows.typed_data()[b] >= cd[0])
+      return ffi::Error::InvalidArgument("jinfer cpu attention: a row index is out of range");
+  job->q = q.typed_data();
+  job->cache_k = cache_k.typed_data();
+  job->cache_v = cache_v.typed_data();
+  job->rows = rows.typed_data();
+  job->positions = positions.typed_data();
+  job->window = window;
+  job->scale = scale;
+  const int64_t pairs = qd[0] * qd[1];
+  int64_t longest = 0;
+  for (int64_t b = 0; b < qd[0]; ++b) {
+    int64_t lo, hi;
+    job->KeyRange(b, &lo, &hi);
+    longest = std::max(longest, hi - lo);
+  }
+  // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
+  const int64_t threads = pairs * longest < kKeysPerHelper
+                              ? 1
+                              : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(),
+                                                                      std::thread::hardware_concurrency()));
+  // Enough tasks to keep every thread busy when few (row, kv head) pairs decode a long row, but
+  // no split shorter than 256 keys: each split's partial sums cost a merge.
+  job->splits = std::clamp<int64_t>((4 * threads + pairs - 1) / pairs, 1,
+                                    std::max<int64_t>(1, longest / 256));
+  job->tasks = pairs * job->splits;
+  const int64_t Q = qd[2] * qd[3];
+  job->max.assign(job->tasks * Q, kNegInf);
+  job->denominator.assign(job->tasks * Q, 0.0f);
+  job->acc.assign(job->tasks * Q * qd[4], 0.0f);
+  for (int64_t i = 1; i < std::min(threads, job->tasks); ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
+  job->Merge(out->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JinferCpuAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
