@@ -319,6 +319,7 @@ class Steps:
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
+    attention_kernel: str | None  # "cpu" / "gpu": decode attends with that kernel (attention_kernel())
     attention_buckets: tuple[int, ...]  # the engine's, or only max_seq_len with an attention kernel
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
@@ -443,6 +444,7 @@ def build_steps(
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         ),
+        attention_kernel=kernel,
         attention_buckets=attention_buckets,
         decode=by_bucket_pair(mixed=False),
         mixed=by_bucket_pair(mixed=True) if engine.mixed_prefill_tokens else {},

@@ -89,8 +89,13 @@ def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) ->
     per_position = cache_bytes(llm.engine.steps.model, 1, 1, params.final_norm.dtype)  # K and V, one slot
     engine = llm.engine.config
     filled = prompt_len + tokens / 2
-    bucket = llm.engine.steps.attention_bucket(filled + 2 * engine.decode_steps + 1)
-    return weights + slots * filled * per_position, weights + slots * bucket * per_position
+    # A kernel reads each slot up to its own position; the einsums read the whole attention bucket.
+    read = (
+        filled
+        if llm.engine.steps.attention_kernel
+        else llm.engine.steps.attention_bucket(filled + 2 * engine.decode_steps + 1)
+    )
+    return weights + slots * filled * per_position, weights + slots * read * per_position
 
 
 class LlamaCpp:

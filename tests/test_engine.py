@@ -360,8 +360,10 @@ def test_cpu_attention_kernel_gives_the_einsum_tokens(tiny_model):
     prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some are carried
     samplings = [jinfer.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 6
     kernel = jinfer.LLM(tiny_model("mistral_sliding")[0], **options)
+    assert kernel.engine.steps.attention_kernel == "cpu"
     assert kernel.engine.steps.attention_buckets == (256,)
     einsum = jinfer.LLM(tiny_model("mistral_sliding")[0], decode_kernel=False, **options)
+    assert einsum.engine.steps.attention_kernel is None
     assert einsum.engine.steps.attention_buckets == (64, 128, 256)
     got = [o.token_ids for o in kernel.generate(prompts, samplings)]
     assert got == [o.token_ids for o in einsum.generate(prompts, samplings)]
