@@ -249,7 +249,7 @@ def _decode(
     advance = active.astype(jnp.int32)
 
     def step(cache, state, chunk):
-        groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None])]
+        groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
         if chunk is not None:
             groups.append(_chunk_group(chunk))
         hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, attention_kernel)

@@ -76,27 +76,29 @@ inline f8 Exp(f8 x) {
 }
 
 struct Dims {
-  int64_t batch, kv_heads, groups, tokens, head_dim, cache_rows, seq;
+  int64_t batch, kv_heads, groups, tokens, head_dim, seq;
   int64_t queries() const { return groups * tokens; }
 };
 
-// The 8 sums of a[0..7]'s lanes, in order: a pairwise transpose-and-add (3 rounds of shuffles)
-// instead of 8 separate horizontal sums.
+// The 8 sums of a[0..7]'s lanes, in order: three rounds of pairwise shuffle-and-add instead of 8
+// separate horizontal sums.
 inline f8 Sums8(const f8* a) {
   f8 b[4], c[2];
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 4; ++i)  // lanes: 4 partial sums of a[2i], then 4 of a[2i + 1]
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; ++i)  // lanes: a0 a0 a2 a2 a1 a1 a3 a3 (and 4..7)
+  for (int i = 0; i < 2; ++i)  // 2 partial sums each: c[0] a0 a0 a2 a2 a1 a1 a3 a3, c[1] a4 .. a7
     c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
            __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  // d's lanes: a0 a4 a2 a6 a1 a5 a3 a7
   const f8 d = __builtin_shufflevector(c[0], c[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(c[0], c[1], 1, 9, 3, 11, 5, 13, 7, 15);  // a0 a4 a2 a6 a1 a5 a3 a7
+               __builtin_shufflevector(c[0], c[1], 1, 9, 3, 11, 5, 13, 7, 15);
   return __builtin_shufflevector(d, d, 0, 4, 2, 6, 1, 5, 3, 7);
 }
 
 // scores[j] = scale * q . keys[j] for j in [0, n): 8 keys at a time, then one by one.
-inline void Scores(const float* q, const float* keys, int64_t n, int64_t H, float scale, float* scores) {
+inline void Scores(const float* q, const float* keys, int64_t n, int64_t H, float scale,
+                   float* scores) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     f8 dots[8] = {};
@@ -114,7 +116,7 @@ inline void Scores(const float* q, const float* keys, int64_t n, int64_t H, floa
   }
 }
 
-// out[0..8W) = out * rescale + sum_j p[j] * values[j][0..8W): W vectors of running sums in registers.
+// out[0..8W) = out * rescale + sum_j p[j] * values[j][0..8W): W vectors of sums in registers.
 template <int W>
 inline void Accumulate(float* out, const float* p, const float* values, int64_t n, int64_t H,
                        float rescale) {
@@ -261,15 +263,17 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
                      ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
                      int64_t window, float scale) {
   const auto qd = q.dimensions(), cd = cache_k.dimensions(), vd = cache_v.dimensions();
-  if (qd.size() != 5 || cd.size() != 4 || !std::equal(cd.begin(), cd.end(), vd.begin(), vd.end()) ||
-      qd[1] != cd[1] ||
-      qd[4] != cd[3] || qd[4] % 8 || rows.element_count() != qd[0] ||
-      positions.element_count() != qd[0] * qd[3])
+  const bool shapes_fit =
+      qd.size() == 5 && cd.size() == 4 && std::equal(cd.begin(), cd.end(), vd.begin(), vd.end()) &&
+      qd[1] == cd[1] && qd[4] == cd[3] && qd[4] % 8 == 0 &&
+      static_cast<int64_t>(rows.element_count()) == qd[0] &&
+      static_cast<int64_t>(positions.element_count()) == qd[0] * qd[3];
+  if (!shapes_fit)
     return ffi::Error::InvalidArgument(
         "jinfer cpu attention: q [B, K, G, T, H], cache [R, K, S, H] (H a multiple of 8), "
         "rows [B], positions [B, T] expected");
   auto job = std::make_shared<Job>();
-  job->d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], cd[0], cd[2]};
+  job->d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
   for (int64_t b = 0; b < qd[0]; ++b)
     if (rows.typed_data()[b] < 0 || rows.typed_data()[b] >= cd[0])
       return ffi::Error::InvalidArgument("jinfer cpu attention: a row index is out of range");
@@ -288,10 +292,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     longest = std::max(longest, hi - lo);
   }
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
-  const int64_t threads = pairs * longest < kKeysPerHelper
-                              ? 1
-                              : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(),
-                                                                      std::thread::hardware_concurrency()));
+  const int64_t cores = std::min<int64_t>(pool.num_threads(), std::thread::hardware_concurrency());
+  const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : std::max<int64_t>(1, cores);
   // Enough tasks to keep every thread busy when few (row, kv head) pairs decode a long row, but
   // no split shorter than 256 keys: each split's partial sums cost a merge.
   job->splits = std::clamp<int64_t>((4 * threads + pairs - 1) / pairs, 1,

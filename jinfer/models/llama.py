@@ -334,6 +334,8 @@ class TokenGroup(NamedTuple):
     """Tokens that share one attention pattern within a forward pass.
 
     tokens and positions are [B, T]; their K/V go to cache rows `rows` [B] (None: rows 0..B-1).
+    `active` [B] (None: all) marks the rows whose outputs are used: the CPU attention kernel skips
+    the others (idle decode slots keep the position their last request reached, however far).
     A decode step is one group ([slots, 1]); a decode step carrying a prompt chunk is two (the
     slots, then the chunk [1, T] for its slot): every projection runs once over both groups'
     columns, so the step reads the weights once.
@@ -342,6 +344,7 @@ class TokenGroup(NamedTuple):
     tokens: jax.Array
     positions: jax.Array
     rows: jax.Array | None = None
+    active: jax.Array | None = None
 
     @property
     def columns(self) -> int:
@@ -446,7 +449,7 @@ def _attention_block(
         elif attention_kernel == "cpu":
             rows = jnp.arange(b) if group.rows is None else group.rows
             with jax.named_scope("attention"):
-                out = cpu_attention.attention(gq, *cache_kv, rows, group.positions, window)
+                out = cpu_attention.attention(gq, *cache_kv, rows, _kernel_positions(group), window)
         elif attn_len is None and t > 1:  # a prompt chunk of its own: blocks up to its end
             rows = jnp.arange(b) if group.rows is None else group.rows
             out = filled_attention(gq, *cache_kv, rows, group.positions, window)
@@ -463,6 +466,14 @@ def _attention_block(
     heads_out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     with jax.named_scope("out_proj"):
         return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), cache_kv
+
+
+def _kernel_positions(group: TokenGroup) -> jax.Array:
+    """The group's positions [B, T] for the CPU kernel: -1 on inactive rows, which then read no keys
+    and attend to zeros (finite: their K/V, written at their stale positions, stay finite)."""
+    if group.active is None:
+        return group.positions
+    return jnp.where(group.active[:, None], group.positions, -1)
 
 
 @jax.named_scope("mlp")
