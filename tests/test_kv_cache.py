@@ -72,18 +72,22 @@ def test_decode_attention_kernel_equals_xla_attention(window, dtype):
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu and dtype == jnp.float32:
         pytest.skip("the engine uses the kernel only for 16-bit caches on a GPU (float32 would be TF32)")
-    slots, rows, kv_heads, groups, length, head_dim = 6, 4, 2, 3, 2048, 64
+    slots, rows, kv_heads, groups, length, head_dim = 6, 5, 2, 3, 2048, 64
     assert llama.decode_kernel_fits(length)
     rng = np.random.RandomState(0)
     q = jnp.asarray(rng.randn(rows, kv_heads, groups, 1, head_dim), dtype)
     cache_k, cache_v = (jnp.asarray(rng.randn(slots, kv_heads, length, head_dim), dtype) for _ in range(2))
-    positions = np.array([0, 17, 300, length - 1], np.int32)  # rows 4 and 5 are not decoded
+    # Row 2 is idle (position -1: no keys); row 5 is not decoded.
+    positions = np.array([0, 17, -1, 300, length - 1], np.int32)
     got = llama.decode_attention_kernel(q, cache_k, cache_v, positions, window, interpret=not on_gpu)
+    assert got.dtype == dtype
+    got = np.asarray(got, np.float32)
     key_positions = np.broadcast_to(np.arange(length), (rows, length))
     want = llama.attention(q, cache_k[:rows], cache_v[:rows], positions[:, None], key_positions, window)
-    assert got.dtype == dtype
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
-    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= tolerance
+    active = positions >= 0
+    assert np.abs(got[active] - np.asarray(want, np.float32)[active]).max() <= tolerance
+    assert np.all(got[~active] == 0)  # finite: the engine gives idle rows -1
 
 
 @pytest.mark.parametrize("window", [0, 300], ids=["causal", "sliding"])

@@ -334,8 +334,8 @@ class TokenGroup(NamedTuple):
     """Tokens that share one attention pattern within a forward pass.
 
     tokens and positions are [B, T]; their K/V go to cache rows `rows` [B] (None: rows 0..B-1).
-    `active` [B] (None: all) marks the rows whose outputs are used: the CPU attention kernel skips
-    the others (idle decode slots keep the position their last request reached, however far).
+    `active` [B] (None: all) marks the rows whose outputs are used: the attention kernels skip the
+    others (idle decode slots keep the position their last request reached, however far).
     A decode step is one group ([slots, 1]); a decode step carrying a prompt chunk is two (the
     slots, then the chunk [1, T] for its slot): every projection runs once over both groups'
     columns, so the step reads the weights once.
@@ -370,8 +370,8 @@ def decode_attention_kernel(
     q [B, K, G, 1, H] at positions [B]; cache_k, cache_v [slots, K, S, H] are read in place, each
     row only up to its own position (so no attention bucket is needed, and no slice of the cache
     is copied: on an H200 XLA's einsum path spent 5.2 ms of a 13.9 ms 64-slot step materializing
-    those slices). Rows past B get length 0 and cost nothing. `interpret` runs it on a CPU, slowly
-    (tests). Returns [B, K, G, 1, H].
+    those slices). Rows past B, and rows at position -1 (idle), get length 0: they cost nothing and
+    attend to zeros. `interpret` runs it on a CPU, slowly (tests). Returns [B, K, G, 1, H].
     """
     from jax.experimental.pallas.ops.gpu import decode_attention
 
@@ -445,7 +445,7 @@ def _attention_block(
         if cache_kv is None:
             out = attention(gq, gk, gv, group.positions, group.positions, window)
         elif attention_kernel == "gpu" and group.rows is None and t == 1:
-            out = decode_attention_kernel(gq, *cache_kv, group.positions[:, 0], window)
+            out = decode_attention_kernel(gq, *cache_kv, _kernel_positions(group)[:, 0], window)
         elif attention_kernel == "cpu":
             rows = jnp.arange(b) if group.rows is None else group.rows
             with jax.named_scope("attention"):
@@ -469,8 +469,8 @@ def _attention_block(
 
 
 def _kernel_positions(group: TokenGroup) -> jax.Array:
-    """The group's positions [B, T] for the CPU kernel: -1 on inactive rows, which then read no keys
-    and attend to zeros (finite: their K/V, written at their stale positions, stay finite)."""
+    """The group's positions [B, T] for an attention kernel: -1 on inactive rows, which then read no
+    keys and attend to zeros (finite: their K/V, written at their stale positions, stay finite)."""
     if group.active is None:
         return group.positions
     return jnp.where(group.active[:, None], group.positions, -1)
