@@ -20,7 +20,8 @@ Three verbs touch the preallocated cache, all with the cache and slot state dona
 
 One compiled decode per (rows, attn_len) bucket pair: `rows` (a slot-count bucket covering the
 highest busy slot; the scheduler fills the lowest free slot first) keeps a lightly loaded engine
-from paying for every slot, and `attn_len` keeps attention to the filled part of the cache.
+from paying for every slot, and `attn_len` keeps attention to the filled part of the cache (with
+an attention kernel, which reads only each row's filled part itself, there is one `attn_len`).
 Log-probs are computed under `lax.cond` when some request asks for them, so they cost nothing
 otherwise and need no compiled variant of their own.
 
