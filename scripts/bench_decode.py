@@ -33,8 +33,6 @@ import os
 import sys
 import time
 
-import jax.numpy as jnp
-import numpy as np
 from benchlib import (
     PROMPT,
     decode_weight_bytes,
@@ -47,6 +45,7 @@ from benchlib import (
     progress,
     pyplot,
     random_llama_dir,
+    time_decode_calls,
     transformers_decode,
     write_results,
 )
@@ -198,21 +197,11 @@ def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool
     )
     engine = llm.engine
     steps_per_call = engine.config.decode_steps
-    decode = engine.steps.decode[slots, engine.steps.attention_bucket(context + calls * steps_per_call + 1)]
-    active = np.ones(slots, bool)
-    cache, state = engine.cache, engine.state
-    best = float("inf")
-    for round_ in range(4):  # the first round compiles and warms up
-        state = state.replace(positions=jnp.full_like(state.positions, context))
-        before = engine.compile_count()
-        start = time.perf_counter()
-        for _ in range(calls):
-            cache, state, out = decode(engine.params, cache, state, active, np.False_)
-        out.tokens.block_until_ready()
-        if round_:
-            best = min(best, (time.perf_counter() - start) / (calls * steps_per_call))
-            compiles = engine.compile_count() - before
-    engine.cache, engine.state = cache, state  # donated: the engine keeps the live buffers
+    reach = context + calls * steps_per_call + 1
+    time_decode_calls(engine, slots, reach, calls, position=context)  # compiles and warms up
+    before = engine.compile_count()
+    best = min(time_decode_calls(engine, slots, reach, calls, position=context) for _ in range(3))
+    compiles = engine.compile_count() - before
     weights = decode_weight_bytes(engine.params)
     per_position = cache_bytes(engine.steps.model, 1, 1, engine.params.final_norm.dtype)
     filled = context + calls * steps_per_call / 2

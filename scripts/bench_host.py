@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-import jax.numpy as jnp
 import numpy as np
 from benchlib import (
     PROMPT,
@@ -32,6 +31,7 @@ from benchlib import (
     progress,
     pyplot,
     random_llama_dir,
+    time_decode_calls,
     write_results,
 )
 
@@ -53,22 +53,11 @@ def engine_step_s(llm: jinfer.LLM, slots: int) -> tuple[float, int]:
 def bare_step_s(llm: jinfer.LLM, slots: int, prompt_len: int) -> float:
     """Back-to-back calls of the decode the engine used, on its cache and state (left where the
     engine's requests ended; positions keep advancing inside the cache, which is long enough)."""
-    engine = llm.engine
-    steps = engine.config.decode_steps
+    steps = llm.engine.config.decode_steps
     # The bucket the engine attended over for most of its run (its last requests' reach).
-    bucket = engine.steps.attention_bucket(prompt_len + TOKENS + 2 * steps + 1)
-    decode = engine.steps.decode[slots, bucket]
-    active = jnp.ones((slots,), bool)
-    calls = TOKENS // 2 // steps
-    cache, state, out = decode(engine.params, engine.cache, engine.state, active, False)
-    out.tokens.block_until_ready()
-    start = time.perf_counter()
-    for _ in range(calls):
-        cache, state, out = decode(engine.params, cache, state, active, False)
-    out.tokens.block_until_ready()
-    seconds = (time.perf_counter() - start) / (calls * steps)
-    engine.cache, engine.state = cache, state
-    return seconds
+    reach = prompt_len + TOKENS + 2 * steps + 1
+    time_decode_calls(llm.engine, slots, reach, 1)  # the first call after the engine's own waits
+    return time_decode_calls(llm.engine, slots, reach, TOKENS // 2 // steps)
 
 
 def main() -> int:

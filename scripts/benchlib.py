@@ -91,6 +91,24 @@ def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
     return batch * (tokens - 1) / (total - prefill)
 
 
+def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int | None = None) -> float:
+    """Seconds per decode step over `calls` back-to-back calls of the engine's compiled decode for
+    `slots` slots (over the attention bucket holding `reach` positions), on the engine's own cache
+    and state, which it keeps afterwards (they are donated). With `position`, every slot starts
+    there; otherwise where the engine's requests left it."""
+    decode = engine.steps.decode[slots, engine.steps.attention_bucket(reach)]
+    active = np.ones(slots, bool)
+    cache, state = engine.cache, engine.state
+    if position is not None:
+        state = state.replace(positions=jnp.full_like(state.positions, position))
+    start = time.perf_counter()
+    for _ in range(calls):
+        cache, state, out = decode(engine.params, cache, state, active, np.False_)
+    out.tokens.block_until_ready()
+    engine.cache, engine.state = cache, state
+    return (time.perf_counter() - start) / (calls * engine.config.decode_steps)
+
+
 def matrix_params(params) -> tuple[int, int]:
     """(weights in all layers, the output projection): what each token's matrix products multiply."""
     layers = sum(a.size for a in jax.tree.leaves(params.layers))

@@ -192,33 +192,37 @@ struct Job {
   const int32_t *rows, *positions;
   int64_t window, splits, tasks;
   float scale;
+  std::vector<int64_t> lo, hi;  // per batch entry: the keys any of its queries sees, [lo, hi)
   // Online-softmax state per task and query: running max, denominator, output sums [H].
   std::vector<float> max, denominator, acc;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // The keys any query of batch entry b sees: [lo, hi).
-  void KeyRange(int64_t b, int64_t* lo, int64_t* hi) const {
-    *lo = d.seq;
-    *hi = 0;
-    for (int64_t t = 0; t < d.tokens; ++t) {
-      const int64_t position = std::min<int64_t>(positions[b * d.tokens + t], d.seq - 1);
-      if (position < 0) continue;
-      *lo = std::min<int64_t>(*lo, window ? std::max<int64_t>(0, position - window + 1) : 0);
-      *hi = std::max<int64_t>(*hi, position + 1);
+  // Fills lo and hi; returns the longest range.
+  int64_t KeyRanges() {
+    lo.assign(d.batch, d.seq);
+    hi.assign(d.batch, 0);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < d.batch; ++b) {
+      for (int64_t t = 0; t < d.tokens; ++t) {
+        const int64_t position = std::min<int64_t>(positions[b * d.tokens + t], d.seq - 1);
+        if (position < 0) continue;
+        lo[b] = std::min<int64_t>(lo[b], window ? std::max<int64_t>(0, position - window + 1) : 0);
+        hi[b] = std::max<int64_t>(hi[b], position + 1);
+      }
+      longest = std::max(longest, hi[b] - lo[b]);
     }
+    return longest;
   }
 
   void Run(int64_t task) {
     const int64_t split = task % splits, pair = task / splits;
     const int64_t b = pair / d.kv_heads, k = pair % d.kv_heads;
-    int64_t lo, hi;
-    KeyRange(b, &lo, &hi);
     const int64_t Q = d.queries(), H = d.head_dim;
-    if (lo >= hi) return;
+    if (lo[b] >= hi[b]) return;
     // Equal splits in whole blocks; later splits may be empty.
-    const int64_t per_split = (hi - lo + splits * kBlock - 1) / (splits * kBlock) * kBlock;
-    const int64_t begin = lo + split * per_split, end = std::min(hi, begin + per_split);
+    const int64_t per_split = (hi[b] - lo[b] + splits * kBlock - 1) / (splits * kBlock) * kBlock;
+    const int64_t begin = lo[b] + split * per_split, end = std::min(hi[b], begin + per_split);
     if (begin >= end) return;
     const int64_t row_offset = (rows[b] * d.kv_heads + k) * d.seq * H;
     AttendRange(d, q + (b * d.kv_heads + k) * Q * H, cache_k + row_offset, cache_v + row_offset,
@@ -285,12 +289,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   job->window = window;
   job->scale = scale;
   const int64_t pairs = qd[0] * qd[1];
-  int64_t longest = 0;
-  for (int64_t b = 0; b < qd[0]; ++b) {
-    int64_t lo, hi;
-    job->KeyRange(b, &lo, &hi);
-    longest = std::max(longest, hi - lo);
-  }
+  const int64_t longest = job->KeyRanges();
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
   const int64_t cores = std::min<int64_t>(pool.num_threads(), std::thread::hardware_concurrency());
   const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : std::max<int64_t>(1, cores);

@@ -350,6 +350,11 @@ class TokenGroup(NamedTuple):
     def columns(self) -> int:
         return self.tokens.shape[0] * self.tokens.shape[1]
 
+    @property
+    def cache_rows(self) -> jax.Array:
+        """The cache row of each batch entry, [B]: `rows`, or 0..B-1."""
+        return jnp.arange(self.tokens.shape[0]) if self.rows is None else self.rows
+
 
 _KERNEL_SPLITS, _KERNEL_BLOCK = 16, 128  # the kernel splits each row's keys, in blocks of 128
 
@@ -447,12 +452,12 @@ def _attention_block(
         elif attention_kernel == "gpu" and group.rows is None and t == 1:
             out = decode_attention_kernel(gq, *cache_kv, _kernel_positions(group)[:, 0], window)
         elif attention_kernel == "cpu":
-            rows = jnp.arange(b) if group.rows is None else group.rows
             with jax.named_scope("attention"):
-                out = cpu_attention.attention(gq, *cache_kv, rows, _kernel_positions(group), window)
+                out = cpu_attention.attention(
+                    gq, *cache_kv, group.cache_rows, _kernel_positions(group), window
+                )
         elif attn_len is None and t > 1:  # a prompt chunk of its own: blocks up to its end
-            rows = jnp.arange(b) if group.rows is None else group.rows
-            out = filled_attention(gq, *cache_kv, rows, group.positions, window)
+            out = filled_attention(gq, *cache_kv, group.cache_rows, group.positions, window)
         else:
             cache_k, cache_v = cache_kv
             rows = group.rows
