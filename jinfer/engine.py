@@ -138,7 +138,9 @@ class Engine:
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
         for size in self.config.prefill_buckets:
-            chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab, False)
+            chunk = prefill_chunk_arrays(
+                np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False
+            )
             self.cache, self.state, out = self.steps.prefill(self.params, self.cache, self.state, chunk)
         for (rows, _), decode in self.steps.decode.items():
             active = np.zeros(rows, bool)
@@ -146,7 +148,9 @@ class Engine:
         for (rows, _), mixed in self.steps.mixed.items():
             active = np.zeros(rows, bool)
             size = self.config.mixed_chunk_len(rows)
-            chunk = prefill_chunk_arrays(np.zeros(size, np.int32), 0, 0, 1, 0, {}, (), greedy, vocab, False)
+            chunk = prefill_chunk_arrays(
+                np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False
+            )
             self.cache, self.state, out, _ = mixed(
                 self.params, self.cache, self.state, active, np.False_, chunk
             )
@@ -332,6 +336,7 @@ class Engine:
             work.slot,
             work.start,
             len(work.tokens),
+            work.last,
             sp.min_tokens,
             sp.logit_bias or {},
             sorted(request.stop_ids),

@@ -90,7 +90,7 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
 def prompt_chunk(cfg, tokens: int, slot: int = 0):
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
-    return prefill_chunk_arrays(prompt, slot, 0, tokens, 0, {}, (), greedy, cfg.vocab_size, False)
+    return prefill_chunk_arrays(prompt, slot, 0, tokens, True, 0, {}, (), greedy, cfg.vocab_size, False)
 
 
 def best_time(call, carried, calls: int) -> float:

@@ -139,10 +139,13 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
     engine.run_until_idle()
     chunks_by_slot = {}
     for chunk in carried:
-        chunks_by_slot.setdefault(chunk.slot, []).append((chunk.start, chunk.length))
+        chunks_by_slot.setdefault(chunk.slot, []).append((chunk.start, chunk.length, chunk.last))
     for chunks in chunks_by_slot.values():  # each prompt went in consecutive chunks from position 0
-        assert [start for start, _ in chunks] == [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
-    assert sorted(sum(n for _, n in chunks) for chunks in chunks_by_slot.values()) == [21, 97]
+        assert [start for start, _, _ in chunks] == [
+            sum(c[1] for c in chunks[:i]) for i in range(len(chunks))
+        ]
+        assert [last for _, _, last in chunks] == [False] * (len(chunks) - 1) + [True]  # only it has logits
+    assert sorted(sum(c[1] for c in chunks) for chunks in chunks_by_slot.values()) == [21, 97]
     assert max(c.start + c.size for c in carried) > 100  # padding past the cache's end
     assert outputs["first"] == _greedy_reference(llm, first, 40)
     assert outputs["seeded"] == seeded_alone.token_ids
