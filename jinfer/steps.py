@@ -95,14 +95,8 @@ _INT_SAMPLING = tuple(
     n for n in _SAMPLING_FIELDS if not np.issubdtype(getattr(_DEFAULT_KNOBS, n).dtype, np.floating)
 )
 _FLOAT_SAMPLING = tuple(n for n in _SAMPLING_FIELDS if n not in _INT_SAMPLING)
-_HEADER = (
-    "slot",
-    "start",
-    "length",
-    "last",
-    "min_tokens",
-    "want_logprobs",
-)  # the int32 array's first entries
+# The int32 array's first entries.
+_HEADER = ("slot", "start", "length", "last", "min_tokens", "want_logprobs")
 _BIAS_IDS = len(_HEADER)  # where bias_ids begin
 _TOKENS = _BIAS_IDS + MAX_LOGIT_BIAS + MAX_STOP_IDS + len(_INT_SAMPLING)  # where the tokens begin
 
