@@ -291,7 +291,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t pairs = qd[0] * qd[1];
   const int64_t longest = job->KeyRanges();
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
-  const int64_t cores = std::min<int64_t>(pool.num_threads(), std::thread::hardware_concurrency());
+  // Asked once: hardware_concurrency() costs a system call (a call with no keys: 20 us -> 5 us).
+  static const int64_t machine_cores = std::thread::hardware_concurrency();
+  const int64_t cores = std::min<int64_t>(pool.num_threads(), machine_cores);
   const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : std::max<int64_t>(1, cores);
   // Enough tasks to keep every thread busy when few (row, kv head) pairs decode a long row, but
   // no split shorter than 256 keys: each split's partial sums cost a merge.
