@@ -171,9 +171,9 @@ def main() -> int:
         help="decode_steps:prefill_token_budget[:mixed_prefill_tokens]",
     )
     parser.add_argument("--concurrency", default="1,2,4,8,16")
-    parser.add_argument("--per-client", type=int, default=2, help="requests each closed-loop client sends")
+    parser.add_argument("--per-client", type=int, default=4, help="requests each closed-loop client sends")
     parser.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals per second")
-    parser.add_argument("--poisson-requests", type=int, default=24)
+    parser.add_argument("--poisson-requests", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
