@@ -401,7 +401,7 @@ class EngineConfig:
         mixing is off); the dispatch decodes rows = slot_bucket(busy).
 
         At least `mixed_prefill_tokens`, rounded up so the step's rows + chunk columns fill whole
-        COLUMN_TILEs: a 1-slot step carries 15 tokens for the price of 9.
+        COLUMN_TILEs (with 8: a 1-slot step carries 15 tokens for the price of 9).
         """
         if not self.mixed_prefill_tokens:
             return 0

@@ -103,4 +103,9 @@ def test_every_serve_preset_resolves_to_a_valid_engine_config():
         )
     assert engines["configs/smollm2.toml"].mixed_prefill_tokens == 0  # `make serve`: throughput preset
     latency = engines["configs/smollm2-latency.toml"]
-    assert latency.decode_steps == 1 and latency.mixed_chunk_len(8) == 8 and latency.mixed_chunk_len(1) == 15
+    assert (
+        latency.decode_steps == 1
+        and latency.mixed_chunk_len(8) == 8
+        and latency.mixed_chunk_len(4) == 4
+        and latency.mixed_chunk_len(1) == 7
+    )
