@@ -100,6 +100,7 @@ class Engine:
             config.chunk_len,
             config.prefill_token_budget,
             config.mixed_chunk_len if config.mixed_prefill_tokens else None,
+            config.decode_steps,
         )
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
         self._lock = threading.Condition()

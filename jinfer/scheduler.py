@@ -100,6 +100,7 @@ class Request:
     dropped_prompt_tokens: int = 0
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in the cache
+    in_flight: int = 0  # output tokens that dispatched, not yet committed work may still produce
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
@@ -111,6 +112,12 @@ class Request:
     def running(self) -> bool:
         """In a slot with its whole prompt prefilled: decoded by every decode dispatch."""
         return self.slot is not None and self.prefilled == len(self.prompt_ids) and not self.finished
+
+    @property
+    def wants_decode(self) -> bool:
+        """Running, and the tokens already in flight do not reach max_tokens: a decode dispatch for
+        a request that work on the device will surely finish would only compute discarded tokens."""
+        return self.running and len(self.output_ids) + self.in_flight < self.max_tokens
 
     def metrics(self, now: float) -> dict[str, Any]:
         first = self.token_times[0] if self.token_times else None
@@ -157,8 +164,10 @@ class Scheduler:
         chunk_len: int,
         token_budget: int,
         mixed_chunk_len: Callable[[int], int] | None = None,
+        decode_steps: int = 1,
     ):
         self.tokenizer = tokenizer
+        self.decode_steps = decode_steps  # tokens a decode dispatch produces per slot
         self.max_queue = max_queue
         self.chunk_len = chunk_len
         self.token_budget = token_budget
@@ -211,11 +220,13 @@ class Scheduler:
             if request is not None and request.cancelled and not request.finished:
                 self._finish(request, "abort")
 
-        owners = [r if r is not None and r.running else None for r in self.slots]
+        owners = self._decode_owners()
         if self.mixed_chunk_len and any(owners):
             busy = max(slot for slot, r in enumerate(owners) if r is not None) + 1
             fused = next(self._needing_prefill(), None)
-            return Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len(busy)))
+            return self._in_flight(
+                Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len(busy)))
+            )
         prefills: list[PrefillWork] = []
         budget = self.token_budget
         for request in self._needing_prefill():
@@ -225,7 +236,20 @@ class Scheduler:
                 break
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
         # (the device runs the prefill first).
-        return Plan(prefills, [r if r is not None and r.running else None for r in self.slots])
+        return self._in_flight(Plan(prefills, self._decode_owners()))
+
+    def _decode_owners(self) -> list[Request | None]:
+        """Per slot, the request the decode dispatch decodes there (None: the row is inactive)."""
+        return [r if r is not None and r.wants_decode else None for r in self.slots]
+
+    def _in_flight(self, plan: Plan) -> Plan:
+        """Count the tokens the plan's decode dispatch will produce for each of its requests: one
+        step when it carries a prompt chunk, `decode_steps` otherwise."""
+        tokens = 1 if plan.fused is not None else self.decode_steps
+        for request in plan.decode_owners:
+            if request is not None:
+                request.in_flight += tokens
+        return plan
 
     def _needing_prefill(self):
         """Requests with prompt left to prefill: those part-way through first, then admissions
@@ -244,7 +268,9 @@ class Scheduler:
         start = request.prefilled
         chunk = request.prompt_ids[start : start + max_len]
         request.prefilled += len(chunk)
-        return PrefillWork(request, request.slot, start, chunk, request.prefilled == len(request.prompt_ids))
+        last = request.prefilled == len(request.prompt_ids)
+        request.in_flight += last  # the last chunk samples the first output token
+        return PrefillWork(request, request.slot, start, chunk, last)
 
     def commit(
         self,
@@ -262,6 +288,7 @@ class Scheduler:
         for row, request in enumerate(owners):
             if request is None:
                 continue
+            request.in_flight -= len(tokens_by_row[row])
             for step, (token, is_bad) in enumerate(zip(tokens_by_row[row], bad_by_row[row], strict=True)):
                 if request.finished:
                     break

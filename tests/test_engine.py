@@ -370,3 +370,21 @@ def test_cpu_attention_kernel_gives_the_einsum_tokens(tiny_model):
     assert einsum.engine.steps.attention_buckets == (64, 128, 256)
     got = [o.token_ids for o in kernel.generate(prompts, samplings)]
     assert got == [o.token_ids for o in einsum.generate(prompts, samplings)]
+
+
+def test_no_decode_dispatch_computes_only_tokens_past_max_tokens(llm, monkeypatch):
+    calls = []
+    for key, real in list(llm.engine.steps.decode.items()):
+        monkeypatch.setitem(
+            llm.engine.steps.decode, key, lambda *args, real=real: (calls.append(1), real(*args))[1]
+        )
+    steps = llm.engine.config.decode_steps
+    prompt = _prompt(5, 12)
+    for max_tokens in (1, 2, steps + 1, 16):
+        calls.clear()
+        (out,) = llm.generate(
+            [prompt], jinfer.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        )
+        # The prefill samples the first token; each decode dispatch `steps` more (the last maybe in part).
+        assert len(out.token_ids) == max_tokens
+        assert len(calls) == -(-(max_tokens - 1) // steps), max_tokens

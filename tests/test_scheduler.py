@@ -109,6 +109,24 @@ def test_commit_stops_on_eos_length_and_ignores_results_after_finish(tokenizer):
     assert r_eos.output_ids == [70] and len(ev_eos) == 2
 
 
+def test_no_decode_dispatch_for_tokens_that_work_in_flight_already_covers(tokenizer):
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512, decode_steps=4)
+    events = []
+    request = _request(tokenizer, "r", events=events, max_tokens=6)
+    s.submit(request)
+    first = s.plan()  # the last (only) chunk samples token 1; the decode dispatch after it 2-5
+    assert first.prefills[0].last and first.decode_owners == [request]
+    second = s.plan()  # the engine plans before reading the first: 5 in flight, 6 wanted
+    assert second.decode_owners == [request]
+    s.commit([request], _tokens([70]), np.zeros((1, 1), bool))
+    s.commit(first.decode_owners, _tokens([71, 72, 73, 74]), np.zeros((4, 1), bool))
+    third = s.plan()  # 5 committed + 4 in flight >= 6: a third dispatch would only be discarded
+    assert not third.decodes and third.prefills == [] and s.has_work
+    s.commit(second.decode_owners, _tokens([75, 76, 77, 78]), np.zeros((4, 1), bool))
+    assert request.output_ids == [70, 71, 72, 73, 74, 75] and events[-1].finish_reason == "length"
+    assert not s.has_work
+
+
 def test_bad_logits_end_one_request_and_mark_its_slot(tokenizer):
     s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512)
     good_events, bad_events = [], []
