@@ -127,6 +127,20 @@ def test_no_decode_dispatch_for_tokens_that_work_in_flight_already_covers(tokeni
     assert not s.has_work
 
 
+def test_a_decode_dispatch_carrying_a_prompt_chunk_counts_one_step_in_flight(tokenizer):
+    s = Scheduler(
+        tokenizer, 2, 8, chunk_len=32, token_budget=512, mixed_chunk_len=lambda busy: 8, decode_steps=4
+    )
+    first = _request(tokenizer, "first", max_tokens=100)
+    s.submit(first)
+    s.plan()  # its prompt alone (1 token), then a plain decode dispatch (4)
+    assert first.in_flight == 5
+    s.submit(_request(tokenizer, "second", 20))
+    assert s.plan().fused is not None and first.in_flight == 6  # the mixed step decodes one step
+    s.plan()
+    assert first.in_flight == 7
+
+
 def test_bad_logits_end_one_request_and_mark_its_slot(tokenizer):
     s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512)
     good_events, bad_events = [], []
