@@ -24,6 +24,12 @@ from jinfer.config import EngineConfig
 
 log = logging.getLogger("jinfer.serve")
 
+# How long an idle keep-alive connection stays open: longer than the 5 s for which the official
+# openai client (httpx) reuses one. At uvicorn's default, also 5 s, the server can close a
+# connection just as the client sends a request on it, and that request fails with a connection
+# error (bench_serve, whose client does not retry, once failed so in its Poisson arrivals).
+IDLE_CONNECTION_S = 30
+
 # flag -> (type, default, help); the TOML file uses the same names.
 SERVER_OPTIONS = {
     "model": (str, None, "HF directory, .gguf file or jinfer checkpoint (default: embedded SmolLM2)"),
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         port=options["port"],
         log_level=options["log_level"],
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=IDLE_CONNECTION_S,
         ws="websockets-sansio",
     )
     log.info(
