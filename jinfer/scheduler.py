@@ -220,8 +220,8 @@ class Scheduler:
             if request is not None and request.cancelled and not request.finished:
                 self._finish(request, "abort")
 
-        owners = self._decode_owners()
-        if self.mixed_chunk_len and any(owners):
+        owners = self._decode_owners() if self.mixed_chunk_len else []
+        if any(owners):
             busy = max(slot for slot, r in enumerate(owners) if r is not None) + 1
             fused = next(self._needing_prefill(), None)
             return self._in_flight(

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -296,24 +297,19 @@ def test_unknown_route_and_big_body(server):
 def test_an_idle_connection_outlives_the_openai_clients_reuse_window(server):
     # The official client reuses an idle connection for up to 5 s; the server must not close it first.
     host, port = server.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
         for pause in (0, 6):
             time.sleep(pause)
-            sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = sock.recv(4096)
-                assert data, f"the server closed the connection after {pause} s idle"
-                head += data
-            assert head.startswith(b"HTTP/1.1 200"), head[:100]
-            length = next(
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            )
-            body = head.split(b"\r\n\r\n", 1)[1]
-            while len(body) < length:
-                body += sock.recv(4096)
+            connection.request("GET", "/health")  # on a connection the server closed: RemoteDisconnected
+            response = connection.getresponse()
+            assert response.status == 200
+            response.read()
+            if pause == 0:
+                first_socket = connection.sock
+        assert connection.sock is first_socket  # the same connection, not a silent reconnect
+    finally:
+        connection.close()
 
 
 def test_tokenize_and_detokenize(server):
