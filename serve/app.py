@@ -63,6 +63,16 @@ class ServerSettings:
 
 OPEN_PATHS = {b"/health", b"/ready"}  # exact raw paths that need no API key
 
+# SSE splits lines only at CR and LF, but clients that split with str.splitlines (httpx's
+# iter_lines among them) also break at these, which JSON leaves raw inside strings: a token
+# decoding to one of them would cut its event in two.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(body: dict) -> str:
+    """One Server-Sent Event carrying `body` as JSON on a single line, whoever splits the lines."""
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_UNICODE_LINE_BREAKS)}\n\n"
+
 
 class AuthMiddleware:
     """Bearer-key check on the raw request path, before routing: `//x` or `/a/../b` never bypass it."""
@@ -375,7 +385,7 @@ class JinferAPI:
                 body["usage"] = None
             if extra:
                 body.update(extra)
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return sse_data(body)
 
         completion_tokens, prompt_tokens = 0, len(prompt_ids)
         remaining = req.n
@@ -417,7 +427,7 @@ class JinferAPI:
                     "usage": usage(prompt_tokens, completion_tokens),
                     "jinfer": {"timings": timing_list},
                 }
-                yield f"data: {json.dumps(body)}\n\n"
+                yield sse_data(body)
             yield "data: [DONE]\n\n"
         finally:  # client gone (generator closed) or done: cancel whatever still runs
             for request_id in request_ids:

@@ -226,6 +226,17 @@ def test_sse_framing_survives_newlines_and_data_prefixes(server):
     assert text == "data: [DONE]\n\ndata: {}\n" + "\n" * 6
 
 
+def test_sse_events_stay_whole_for_clients_that_split_at_unicode_line_breaks(server):
+    # httpx's iter_lines splits like str.splitlines: at U+0085, U+2028 and U+2029 as well.
+    prompt = "a\x85b\u2028c\u2029d"
+    body = {"prompt": prompt, "echo": True, "max_tokens": 2, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["text"] == prompt
+
+
 # ------------------------------------------------------------------------------ errors
 def _post(base, path, content=None, json_body=None, headers=AUTH):
     return httpx.post(base + path, content=content, json=json_body, headers=headers, timeout=60)
