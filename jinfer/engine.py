@@ -30,6 +30,7 @@ import numpy as np
 from jinfer.config import EngineConfig
 from jinfer.context import fit_prompt
 from jinfer.kv_cache import cache_bytes
+from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scheduler import (
     Plan,
@@ -41,7 +42,7 @@ from jinfer.scheduler import (
     TextStream,
 )
 from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
-from jinfer.steps import MAX_LOGIT_BIAS, MAX_STOP_IDS, build_steps, prefill_chunk_arrays
+from jinfer.steps import MAX_LOGIT_BIAS, MAX_STOP_IDS, build_steps, packs_weights, prefill_chunk_arrays
 from jinfer.weights import LoadedModel
 
 log = logging.getLogger("jinfer.engine")
@@ -88,6 +89,10 @@ class Engine:
         padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
         shardings = param_shardings(padded_cfg, self.mesh)
         self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
+        if packs_weights(config, self.mesh):  # one device: the packed copies' own placement will do
+            self.params = llama.pack_weights(self.params)
+            shardings = jax.tree.map(lambda a: a.sharding, self.params)
+            log.info("weights packed for the CPU matmul kernel (a second copy of each matrix)")
         self.cache_bytes = cache_bytes(padded_cfg, config.max_slots, config.max_seq_len, self.dtype)
         self._check_memory()
         self.steps = build_steps(padded_cfg, config, self.mesh, shardings, loaded.config.vocab_size)

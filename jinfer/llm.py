@@ -99,7 +99,8 @@ class LLM:
 
     @property
     def params(self):
-        return self.engine.params
+        """The model's weights (without the engine's packed copies, if it keeps them)."""
+        return llama.unpacked(self.engine.params)
 
     # ------------------------------------------------------------------------------ public
     def generate(

@@ -45,7 +45,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import COLUMN_TILE, EngineConfig, ModelConfig
-from jinfer.kernels import cpu_attention
+from jinfer.kernels import cpu_attention, cpu_matmul
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, sample, token_logprobs
@@ -410,6 +410,19 @@ def attention_kernel(engine: EngineConfig, model: ModelConfig, mesh: Mesh) -> st
     if backend == "cpu" and engine.dtype == "float32" and model.head_dim % 8 == 0:
         return "cpu" if cpu_attention.available() else None
     return None
+
+
+def packs_weights(engine: EngineConfig, mesh: Mesh) -> bool:
+    """Whether the engine keeps packed copies of its weights for the CPU matmul kernel
+    (`llama.pack_weights`): asked for by `engine.packed_weights`, on one CPU device in float32 (the
+    kernel has no sharding rule and multiplies float32), once the kernel is built."""
+    return (
+        engine.packed_weights
+        and mesh.size == 1
+        and jax.default_backend() == "cpu"
+        and engine.dtype == "float32"
+        and cpu_matmul.available()
+    )
 
 
 def build_steps(

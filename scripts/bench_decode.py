@@ -14,6 +14,9 @@ Measured side by side in one run (the machines are shared and noisy, so only rat
     and llama.cpp at batch 1 on the F32 GGUF and on the embedded Q4_1 GGUF, runs alternating with
     jinfer's; time to load each;
   * the same for a random-weight Llama-shaped model of ~0.9 GB (jinfer and transformers);
+  * jinfer runs with packed weights as the CPU presets do (`packed_weights`: decode products of up
+    to 8 columns through its C++ kernel); its compiled decode with them against the same engine
+    on XLA's products alone, alternating, at --packed-slots;
   * decode at a long context (SmolLM2, 1 and 8 slots at position --context): jinfer's compiled
     decode with its attention kernel against the same engine on XLA's einsums (decode_kernel=False),
     against transformers and (batch 1) llama.cpp decoding after a prompt of that length; MBU counts
@@ -33,6 +36,7 @@ import os
 import sys
 import time
 
+import numpy as np
 from benchlib import (
     PROMPT,
     decode_weight_bytes,
@@ -55,6 +59,8 @@ from jinfer.kv_cache import cache_bytes
 from jinfer.weights import default_model_path
 
 PREFILL_TOKENS = 256
+# As configs/smollm2.toml serves on a CPU: a packed copy of the weights for the decode kernel.
+JINFER_OPTIONS = {"packed_weights": True}
 
 
 def jinfer_decode(llm: jinfer.LLM, slots: int, tokens: int) -> dict[str, float]:
@@ -140,6 +146,7 @@ def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceilin
             max_seq_len=512,
             prefill_buckets=(16, 32, PREFILL_TOKENS),
             decode_steps=4,
+            **JINFER_OPTIONS,
         )
         loads.setdefault("jinfer_s", time.perf_counter() - start)
         llm.engine.warmup()
@@ -193,7 +200,12 @@ def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool
     """jinfer's compiled decode (4 steps a call) for `slots` busy slots from position `context` on:
     best of three timings of `calls` back-to-back calls on the engine's own cache and state."""
     llm = jinfer.LLM(
-        path, max_slots=slots, max_seq_len=2 * context, prefill_buckets=(16,), decode_kernel=kernel
+        path,
+        max_slots=slots,
+        max_seq_len=2 * context,
+        prefill_buckets=(16,),
+        decode_kernel=kernel,
+        **JINFER_OPTIONS,
     )
     engine = llm.engine
     steps_per_call = engine.config.decode_steps
@@ -206,6 +218,41 @@ def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool
     per_position = cache_bytes(engine.steps.model, 1, 1, engine.params.final_norm.dtype)
     filled = context + calls * steps_per_call / 2
     return {"step_s": best, "needed_bytes": weights + slots * filled * per_position, "compiles": compiles}
+
+
+def bench_packed_weights(path: str, slot_counts: list[int], rounds: int = 5) -> list[dict]:
+    """jinfer's compiled decode (4 steps a call, at position 100) with packed weights against the
+    same engine on XLA's products alone: `rounds` alternating timings, the median of the pairs."""
+    rows = []
+    for slots in slot_counts:
+        progress(f"packed weights: {slots} slots, packed and XLA engines (load, build, warm up)")
+        options = {"max_slots": slots, "max_seq_len": 512, "prefill_buckets": (16,), "decode_steps": 4}
+        engines = {
+            packed: jinfer.LLM(path, packed_weights=packed, **options).engine for packed in (True, False)
+        }
+        calls, position = 8, 100
+        reach = position + calls * 4 + 1
+        for engine in engines.values():
+            time_decode_calls(engine, slots, reach, calls, position=position)  # compiles, warms up
+        before = sum(engine.compile_count() for engine in engines.values())
+        times = {True: [], False: []}
+        for _ in range(rounds):
+            for packed, engine in engines.items():
+                times[packed].append(time_decode_calls(engine, slots, reach, calls, position=position))
+        packed_s, xla_s = np.array(times[True]), np.array(times[False])
+        rows.append(
+            {
+                "slots": slots,
+                "packed_step_ms": float(np.median(packed_s)) * 1e3,
+                "xla_step_ms": float(np.median(xla_s)) * 1e3,
+                "xla_over_packed": float(np.median(xla_s / packed_s)),
+                "lowest_pair": float((xla_s / packed_s).min()),
+                "highest_pair": float((xla_s / packed_s).max()),
+                "compiles_in_measured_phase": sum(e.compile_count() for e in engines.values()) - before,
+            }
+        )
+        del engines
+    return rows
 
 
 def bench_long_context(jinfer_path, hf_dir, cpp_path, args, ceiling) -> list[dict]:
@@ -284,6 +331,13 @@ def report(result: dict) -> str:
             f"MFU {p['mfu']:.2f}, compiles {p['compiles_in_measured_phase']}. "
             "Load: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in model["load"].items())
         )
+    if result.get("packed_weights"):
+        parts.append("\n### SmolLM2-135M decode: packed weights against XLA's products (same engine)\n")
+        columns = ["slots", "packed ms/step", "XLA ms/step", "XLA / packed, median", "lowest pair"]
+        columns += ["highest pair", "compiles"]
+        keys = ["slots", "packed_step_ms", "xla_step_ms", "xla_over_packed", "lowest_pair", "highest_pair"]
+        keys += ["compiles_in_measured_phase"]
+        parts.append(markdown_table(columns, [[r[k] for k in keys] for r in result["packed_weights"]]))
     if result.get("long_context"):
         rows = result["long_context"]
         parts.append(f"\n### SmolLM2-135M decoding at position {rows[0]['context']}\n")
@@ -330,6 +384,9 @@ def main() -> int:
     parser.add_argument(
         "--context", type=int, default=1024, help="position of the long-context rows (0: none)"
     )
+    parser.add_argument(
+        "--packed-slots", default="1,2,4,8,16", help="slot counts for packed weights vs XLA ('': none)"
+    )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     work = os.path.join(args.out, ".models")
@@ -360,6 +417,9 @@ def main() -> int:
         )
     ]
     del cpp
+    packed = None
+    if args.packed_slots:
+        packed = bench_packed_weights(smol_jinfer, [int(s) for s in args.packed_slots.split(",")])
     long_context = None
     if args.context:
         cpp_path = smol_jinfer if llama_cpp_available() else None
@@ -370,7 +430,8 @@ def main() -> int:
         slots = [int(s) for s in args.large_slots.split(",")]
         models.append(bench_model("random Llama 0.9 GB", large, large, slots, {}, args, ceiling))
 
-    result = {"ceiling": ceiling, "models": models, "tokens": args.tokens, "long_context": long_context}
+    result = {"ceiling": ceiling, "models": models, "tokens": args.tokens}
+    result |= {"packed_weights": packed, "long_context": long_context}
     write_results(args.out, "bench_decode", result, report(result))
     plot(result, os.path.join(args.out, "bench_decode.png"))
     return 0

@@ -44,9 +44,11 @@ PROMPTS = [
     "List some facts about the planet Mars.",
     "Describe a walk through a forest in autumn.",
 ]
-ENGINE = {"max_slots": 8, "max_seq_len": 512, "prefill_buckets": (16, 32, 64)}  # server and offline
+# Server and offline engine alike (packed weights as configs/smollm2.toml sets them).
+ENGINE = {"max_slots": 8, "max_seq_len": 512, "prefill_buckets": (16, 32, 64), "packed_weights": True}
 SERVER_FLAGS = ["--max-slots", str(ENGINE["max_slots"]), "--max-seq-len", str(ENGINE["max_seq_len"])]
 SERVER_FLAGS += ["--prefill-buckets", ",".join(map(str, ENGINE["prefill_buckets"]))]
+SERVER_FLAGS += ["--packed-weights", str(ENGINE["packed_weights"]).lower()]
 
 
 def free_port() -> int:

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinfer.models import llama
+
 LLAMA_CPP_VERSION = "0.3.36"
 PROMPT = "Once upon a time, there was a little"
 
@@ -64,7 +66,8 @@ def measure_ceiling(repeats: int = 5, matmul_dtype=jnp.float32, matmul_side: int
 
 def decode_weight_bytes(params) -> int:
     """Bytes of weights one decode step reads: all of them, less an untied input embedding (it is
-    gathered one row per token)."""
+    gathered one row per token); of a matrix with a packed copy, one of the two."""
+    params = llama.unpacked(params)
     total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     if params.lm_head is not None:
         total -= params.embed.size * params.embed.dtype.itemsize
@@ -111,6 +114,7 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
 
 def matrix_params(params) -> tuple[int, int]:
     """(weights in all layers, the output projection): what each token's matrix products multiply."""
+    params = llama.unpacked(params)
     layers = sum(a.size for a in jax.tree.leaves(params.layers))
     return layers, (params.lm_head if params.lm_head is not None else params.embed).size
 

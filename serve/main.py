@@ -45,6 +45,16 @@ SERVER_OPTIONS = {
     "drain_timeout": (float, 30.0, "seconds running requests may finish after SIGTERM"),
     "log_level": (str, "info", "logging level"),
 }
+
+
+def _on_off(text: str) -> bool:
+    if text.lower() in ("true", "on", "yes", "1"):
+        return True
+    if text.lower() in ("false", "off", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 ENGINE_OPTIONS = {
     "max_slots": (int, "concurrent sequences (slots)"),
     "max_seq_len": (int, "tokens per slot (prompt + output)"),
@@ -59,6 +69,10 @@ ENGINE_OPTIONS = {
     "mesh_data": (int, "devices on the data axis"),
     "mesh_model": (int, "devices on the model axis"),
     "context_policy": (str, "error | truncate | drop_oldest"),
+    "packed_weights": (
+        _on_off,
+        "true | false: a packed copy of the weights for faster CPU decode (float32, one device)",
+    ),
 }
 
 

@@ -1,5 +1,7 @@
 """ModelConfig from Hugging Face configs in transformers 4 and 5 layouts, and from GGUF metadata."""
 
+import pytest
+
 from jinfer.config import ModelConfig, RopeConfig
 
 LLAMA31_V4 = {  # transformers 4.x layout: top-level rope_theta, rope_scaling, torch_dtype
@@ -102,6 +104,13 @@ def test_every_serve_preset_resolves_to_a_valid_engine_config():
             **{k: options[k] for k in (*ENGINE_OPTIONS, "prefill_buckets") if k in options}
         )
     assert engines["configs/smollm2.toml"].mixed_prefill_tokens == 0  # `make serve`: throughput preset
+    assert (
+        engines["configs/smollm2.toml"].packed_weights and not engines["configs/qwen2.5.toml"].packed_weights
+    )
+    flags = ["--config", "configs/smollm2.toml", "--packed-weights", "off"]
+    assert resolve_options(build_parser().parse_args(flags))["packed_weights"] is False
+    with pytest.raises(ValueError, match="packed_weights must be true or false"):
+        EngineConfig(packed_weights="yes")
     latency = engines["configs/smollm2-latency.toml"]
     assert (
         latency.decode_steps == 1

@@ -388,3 +388,34 @@ def test_no_decode_dispatch_computes_only_tokens_past_max_tokens(llm, monkeypatc
         # The prefill samples the first token; each decode dispatch `steps` more (the last maybe in part).
         assert len(out.token_ids) == max_tokens
         assert len(calls) == -(-(max_tokens - 1) // steps), max_tokens
+
+
+@pytest.mark.parametrize("family", ["llama_gqa_untied", "qwen2_bias_tied", "qwen3_qknorm"])
+def test_packed_weights_decode_the_same_tokens_and_logprobs(tiny_model, family, monkeypatch):
+    """With packed_weights the decode products of up to 8 columns go through the CPU matmul kernel
+    (prompts and wider mixed steps through XLA's dot on the same matrices): greedy tokens are the
+    same and their log-probs agree to float32 rounding, with an untied output projection or a tied
+    embedding, q/k/v biases and q/k norms; `LLM.params` is the model's own weights either way."""
+    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
+    options["mixed_prefill_tokens"] = 8  # 4 slots + a carried chunk: 12 columns take XLA's dot
+    prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]
+    samplings = [jinfer.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)] * 6
+    from jinfer.kernels import cpu_matmul
+
+    traced = []  # kernel calls placed in compiled programs
+    monkeypatch.setattr(
+        cpu_matmul, "matmul", lambda *a, real=cpu_matmul.matmul: (traced.append(1), real(*a))[1]
+    )
+    packed = jinfer.LLM(tiny_model(family)[0], packed_weights=True, **options)
+    plain = jinfer.LLM(tiny_model(family)[0], **options)
+    assert isinstance(packed.engine.params.layers[0].w_down, llama.PackedWeight)
+    assert not isinstance(plain.engine.params.layers[0].w_down, llama.PackedWeight)
+    same_weights = jax.tree.map(np.array_equal, packed.params, plain.params)
+    assert all(jax.tree.leaves(same_weights))
+    got, want = packed.generate(prompts, samplings), plain.generate(prompts, samplings)
+    assert traced  # the compiled decode steps multiply with the kernel
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    got_lp = np.array([e["logprob"] for o in got for e in o.logprobs])
+    want_lp = np.array([e["logprob"] for o in want for e in o.logprobs])
+    assert np.abs(got_lp - want_lp).max() < 1e-4
+    assert packed.engine.compile_count() == plain.engine.compile_count()

@@ -1,1 +1,68 @@
-"""Native kernels for what XLA compiles poorly on a platform, each called from jitted code."""
+"""Native kernels for what XLA compiles poorly on a platform, each called from jitted code.
+
+The CPU kernels are C++ sources in this package (`<name>.cc`, sharing `cpu_vectors.h`), built on
+first use by `register_cpu_kernel` with the machine's C++ compiler against the XLA FFI headers that
+jaxlib ships, and registered as XLA:CPU custom calls. A build takes a few seconds once: the library
+is cached under ~/.cache/jinfer (or $JINFER_CACHE_DIR), keyed by the sources, jaxlib's version, the
+compiler and this CPU's instruction set (it is built for this CPU, -march=native). Each kernel's
+module decides what a failed build means (so far: a warning, and XLA's own ops instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+log = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).parent
+
+
+def register_cpu_kernel(name: str, symbol: str, target: str) -> None:
+    """Build `<name>.cc` (or take it from the cache) and register its FFI handler `symbol` as the
+    XLA:CPU custom call `target`. Raises OSError or subprocess.SubprocessError if it cannot."""
+    handler = getattr(ctypes.CDLL(str(_build(name))), symbol)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def _cpu_signature() -> str:
+    """This CPU's instruction-set flags: a library built with -march=native runs only where they hold."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(name: str) -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise OSError("no C++ compiler found (set CXX, or install g++)")
+    source = SOURCES / f"{name}.cc"
+    texts = [path.read_bytes() for path in (source, *sorted(SOURCES.glob("*.h")))]
+    identity = b"\0".join([*texts, jaxlib.__version__.encode(), compiler.encode(), _cpu_signature().encode()])
+    key = hashlib.sha256(identity).hexdigest()[:16]
+    default_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jinfer"
+    cache_dir = Path(os.environ.get("JINFER_CACHE_DIR", default_cache))
+    library = cache_dir / f"{name}-{key}.so"
+    if library.exists():
+        return library
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+        built = Path(scratch) / library.name
+        command = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
+        command += [f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+        os.replace(built, library)  # atomic: a process building the same key at once lands the same file
+    log.info("built %s", library)
+    return library

@@ -24,32 +24,24 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float f8 __attribute__((vector_size(32)));  // 8 lanes: AVX registers on x86
-typedef int32_t i8 __attribute__((vector_size(32)));
+using jinfer::f8;
+using jinfer::i8;
+using jinfer::Load;
+using jinfer::Splat;
+using jinfer::Store;
+using jinfer::Sum;
 
 constexpr int kBlock = 32;  // keys per block: a block of K and V rows stays in L1 across queries
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead key and value rows are prefetched
 constexpr int64_t kKeysPerHelper = 2048;  // (row, kv head, key) triples: below, one thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline f8 Splat(float x) { return f8{} + x; }
-inline f8 Load(const float* p) {
-  f8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void Store(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
-inline float Sum(f8 v) {
-  float s = 0;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
 
 // exp(x), 8 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n through the
 // exponent bits); relative error ~2e-7. Lanes at -inf give 0.
@@ -291,10 +283,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t pairs = qd[0] * qd[1];
   const int64_t longest = job->KeyRanges();
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
-  // Asked once: hardware_concurrency() costs a system call (a call with no keys: 20 us -> 5 us).
-  static const int64_t machine_cores = std::thread::hardware_concurrency();
-  const int64_t cores = std::min<int64_t>(pool.num_threads(), machine_cores);
-  const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : std::max<int64_t>(1, cores);
+  const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : jinfer::PoolCores(pool);
   // Enough tasks to keep every thread busy when few (row, kv head) pairs decode a long row, but
   // no split shorter than 256 keys: each split's partial sums cost a merge.
   job->splits = std::clamp<int64_t>((4 * threads + pairs - 1) / pairs, 1,

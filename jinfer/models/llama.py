@@ -21,6 +21,9 @@ Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode
     [28672, 4096] product ran at 0.79 of it, each [14336, 4096] half at 0.57).
   * Inside the decoder, activations are feature-major columns x[D, N] (N = B * T tokens):
     XLA:CPU multiplies W @ x ~1.6x faster than x @ W^T when N is a handful of decode slots.
+  * On a CPU the engine may keep each matrix as a `PackedWeight` (`pack_weights`): the matrix plus
+    a copy packed for jinfer's few-column kernel, which decode products of up to 8 columns use
+    (XLA:CPU's GEMM runs 2-8 columns far below the bandwidth); prompts keep XLA's dot.
   * `jax.named_scope`s (qkv_proj, kv_write, attention, out_proj, mlp, logits) label the compiled
     ops so a profile can be read per part of the model.
 
@@ -46,7 +49,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.config import ModelConfig, RopeConfig
-from jinfer.kernels import cpu_attention
+from jinfer.kernels import cpu_attention, cpu_matmul
 from jinfer.kv_cache import KVCache, write_kv
 
 
@@ -230,9 +233,62 @@ def full_precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def project(w: jax.Array, x: jax.Array) -> jax.Array:
-    """w [out..., in] applied to columns x [in, N] -> [out..., N]: one matrix product (XLA merges the
-    leading output dims, which are contiguous), with no reshape that would cross a sharded axis."""
+@struct.dataclass
+class PackedWeight:
+    """A weight matrix [out..., in...] with a second copy packed for the CPU few-column kernel
+    (`jinfer.kernels.cpu_matmul`): products of up to `cpu_matmul.MAX_COLUMNS` columns (decode steps)
+    read `packed`, longer ones (prompts) `matrix` with XLA's dot, which is faster there."""
+
+    matrix: jax.Array
+    packed: jax.Array  # [ceil(out / 8), in, 8], out and in the products of their dims
+
+
+def pack_weights(params: Params) -> Params:
+    """`params` with every matrix a decode step multiplies as a `PackedWeight` (an untied input
+    embedding is only gathered from: it stays as it is). Costs one more copy of those matrices."""
+
+    def packed(w: jax.Array, input_dims: int = 1) -> PackedWeight:
+        return PackedWeight(w, cpu_matmul.pack(w.reshape(math.prod(w.shape[:-input_dims]), -1)))
+
+    layers = tuple(
+        layer.replace(
+            wqkv=packed(layer.wqkv),
+            wo=packed(layer.wo, input_dims=2),
+            w_gate_up=packed(layer.w_gate_up),
+            w_down=packed(layer.w_down),
+        )
+        for layer in params.layers
+    )
+    if params.lm_head is None:
+        return params.replace(embed=packed(params.embed), layers=layers)
+    return params.replace(layers=layers, lm_head=packed(params.lm_head))
+
+
+def unpacked(params: Params) -> Params:
+    """`params` without packed copies: what `pack_weights` was given."""
+    return jax.tree.map(_matrix, params, is_leaf=lambda w: isinstance(w, PackedWeight))
+
+
+def _matrix(w: jax.Array | PackedWeight) -> jax.Array:
+    return w.matrix if isinstance(w, PackedWeight) else w
+
+
+def _packed_product(w: jax.Array | PackedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.Array | None:
+    """w's packed copy times columns x [in, N] -> [out..., N], when w has one and N is few enough."""
+    if not isinstance(w, PackedWeight) or x.shape[1] > cpu_matmul.MAX_COLUMNS:
+        return None
+    return cpu_matmul.matmul(w.packed, x, math.prod(out_dims)).reshape(*out_dims, x.shape[1])
+
+
+def project(w: jax.Array | PackedWeight, x: jax.Array, input_dims: int = 1) -> jax.Array:
+    """w [out..., in...] (its last `input_dims` dims contracted) applied to columns x [in, N] ->
+    [out..., N]: one matrix product (XLA merges the leading output dims, which are contiguous), with
+    no reshape that would cross a sharded axis."""
+    out_dims = _matrix(w).shape[:-input_dims]
+    packed = _packed_product(w, x, out_dims)
+    if packed is not None:
+        return packed
+    w = _matrix(w).reshape(*out_dims, -1)
     dims = (((w.ndim - 1,), (0,)), ((), ()))
     out = jax.lax.dot_general(w, x, dims, full_precision(x.dtype), preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
@@ -470,7 +526,7 @@ def _attention_block(
         outs.append(out.transpose(1, 2, 4, 0, 3).reshape(-1, b * t))  # [n * h, cols], Hugging Face order
     heads_out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     with jax.named_scope("out_proj"):
-        return project(p.wo.reshape(p.wo.shape[0], -1), heads_out), cache_kv
+        return project(p.wo, heads_out, input_dims=2), cache_kv
 
 
 def _kernel_positions(group: TokenGroup) -> jax.Array:
@@ -531,7 +587,7 @@ def forward_groups(
     the bucket.)"""
     groups = [g._replace(positions=jnp.asarray(g.positions, jnp.int32)) for g in groups]
     ids = jnp.concatenate([g.tokens.reshape(-1) for g in groups])
-    x = params.embed[ids].T  # [D, N] columns
+    x = _matrix(params.embed)[ids].T  # [D, N] columns
     cos, sin = rope_cos_sin(jnp.concatenate([g.positions.reshape(-1) for g in groups]), cfg)
     new_layers = []
     for i, layer in enumerate(params.layers):
@@ -563,8 +619,14 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
     """
     weight = params.embed if params.lm_head is None else params.lm_head
     columns = hidden.reshape(-1, hidden.shape[-1]).T
-    out = jnp.dot(weight, columns, precision=full_precision(weight.dtype), preferred_element_type=jnp.float32)
-    # The barrier stops XLA from folding the transpose into the product: for 2-4 columns the
-    # folded form picks a kernel ~15x slower than this one plus a small transpose.
-    out = jax.lax.optimization_barrier(out)
-    return out.T.reshape(*hidden.shape[:-1], weight.shape[0])
+    vocab = _matrix(weight).shape[0]
+    out = _packed_product(weight, columns, (vocab,))
+    if out is None:
+        weight = _matrix(weight)
+        out = jnp.dot(
+            weight, columns, precision=full_precision(weight.dtype), preferred_element_type=jnp.float32
+        )
+        # The barrier stops XLA from folding the transpose into the product: for 2-4 columns the
+        # folded form picks a kernel ~15x slower than this one plus a small transpose.
+        out = jax.lax.optimization_barrier(out)
+    return out.T.reshape(*hidden.shape[:-1], vocab)

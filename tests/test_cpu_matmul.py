@@ -1,0 +1,57 @@
+"""The CPU few-column matmul kernel against XLA's product, and the engine with packed weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinfer.kernels import cpu_matmul
+
+
+@pytest.mark.parametrize(
+    "rows, width, columns",
+    [
+        (64, 64, 1),
+        (61, 37, 2),
+        (128, 96, 3),
+        (200, 64, 4),
+        (8, 5, 5),
+        (1000, 129, 7),
+        (64, 64, 8),
+        (77, 50, 19),
+    ],
+)
+def test_packed_product_equals_xla_product(rows, width, columns):
+    """Rows not a multiple of 8 (zero padding cut off), odd widths, every column tile remainder, and
+    more columns than one tile (the engine never sends those, the kernel still multiplies them)."""
+    assert cpu_matmul.available()
+    rng = np.random.default_rng(rows * columns)
+    w = rng.standard_normal((rows, width), dtype=np.float32)
+    x = rng.standard_normal((width, columns), dtype=np.float32)
+    packed = cpu_matmul.pack(jnp.asarray(w))
+    assert packed.shape == (-(-rows // 8), width, 8)
+    got = np.asarray(jax.jit(cpu_matmul.matmul, static_argnums=2)(packed, jnp.asarray(x), rows))
+    want = w.astype(np.float64) @ x.astype(np.float64)
+    assert got.shape == (rows, columns)
+    assert np.abs(got - want).max() <= 1e-5 * np.sqrt(width) * np.abs(want).max()
+
+
+def test_a_matmul_kernel_that_cannot_be_built_leaves_xla_products(tmp_path, monkeypatch, caplog, tiny_model):
+    """A failing build is a warning that says why: an engine asked for packed weights keeps its
+    plain weights and multiplies with XLA's dot."""
+    import logging
+
+    import jinfer
+    from jinfer.models import llama
+
+    with monkeypatch.context() as scope:  # (the other kernels, built later, see the real compiler)
+        scope.setenv("JINFER_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
+        scope.setenv("CXX", "false")  # a compiler that always fails
+        with caplog.at_level(logging.WARNING, logger="jinfer.kernels.cpu_matmul"):
+            assert cpu_matmul.available.__wrapped__() is False
+    assert "CPU matmul kernel unavailable" in caplog.text and "non-zero exit status" in caplog.text
+    monkeypatch.setattr(cpu_matmul, "available", lambda: False)
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=128, packed_weights=True)
+    assert not any(isinstance(w, llama.PackedWeight) for w in vars(llm.engine.params.layers[0]).values())
+    out = llm.generate(["hello"], jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
