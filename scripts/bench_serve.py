@@ -10,13 +10,15 @@ throughput at concurrency 8. Clients are the official `openai` package with `ign
 output length and `stream_options.include_usage` giving the token counts. Clients and server
 share this machine's cores, as any loopback benchmark does.
 
-    python scripts/bench_serve.py [--configs 4:512,1:64,1:64:4] [--tokens 64] [--out results]
+    python scripts/bench_serve.py [--configs 4:512,1:64,1:64:4:0] [--tokens 64] [--out results]
 
-Each config is decode_steps:prefill_token_budget[:mixed_prefill_tokens]. The defaults compare the
-throughput setting (the preset's 4 decode steps per dispatch, all waiting prompts prefilled at
-once), a latency setting (one step per dispatch, at most 64 prompt tokens between two decode
+Each config is decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]
+(mixed 0 and packed weights 1 when left out). The defaults compare the throughput setting (the
+`make serve` preset's 4 decode steps per dispatch, all waiting prompts prefilled at once, packed
+weights), a latency setting (one step per dispatch, at most 64 prompt tokens between two decode
 steps) and mixed prefill as `configs/smollm2-latency.toml` sets it (while others stream, prompts
-ride along the decode steps 4+ tokens at a time, filling the step's 8-column tiles).
+ride along the decode steps 4+ tokens at a time, filling the step's 8-column tiles; XLA's
+products, whose cost follows those tiles).
 
 Writes results/bench_serve.{json,md,png}.
 """
@@ -44,11 +46,23 @@ PROMPTS = [
     "List some facts about the planet Mars.",
     "Describe a walk through a forest in autumn.",
 ]
-# Server and offline engine alike (packed weights as configs/smollm2.toml sets them).
-ENGINE = {"max_slots": 8, "max_seq_len": 512, "prefill_buckets": (16, 32, 64), "packed_weights": True}
+ENGINE = {"max_slots": 8, "max_seq_len": 512, "prefill_buckets": (16, 32, 64)}  # server and offline
 SERVER_FLAGS = ["--max-slots", str(ENGINE["max_slots"]), "--max-seq-len", str(ENGINE["max_seq_len"])]
 SERVER_FLAGS += ["--prefill-buckets", ",".join(map(str, ENGINE["prefill_buckets"]))]
-SERVER_FLAGS += ["--packed-weights", str(ENGINE["packed_weights"]).lower()]
+SETTING_NAMES = ("decode_steps", "prefill_token_budget", "mixed_prefill_tokens", "packed_weights")
+
+
+def parse_setting(text: str) -> dict:
+    """ "decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]" -> engine options."""
+    values = [int(v) for v in text.split(":")]
+    if not 2 <= len(values) <= 4:
+        raise ValueError(f"bad config {text!r}: decode_steps:budget[:mixed[:packed]] expected")
+    values += [0, 1][len(values) - 2 :]
+    return dict(zip(SETTING_NAMES, [*values[:3], bool(values[3])], strict=True))
+
+
+def describe(setting: dict) -> str:
+    return ", ".join(f"{name}={setting[name]}" for name in SETTING_NAMES)
 
 
 def free_port() -> int:
@@ -57,10 +71,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, decode_steps: int, budget: int, mixed: int) -> subprocess.Popen:
+def start_server(port: int, setting: dict) -> subprocess.Popen:
     command = [sys.executable, "-m", "jinfer.cli", "serve", "--config", "configs/smollm2.toml"]
-    command += ["--port", str(port), "--decode-steps", str(decode_steps)]
-    command += ["--prefill-token-budget", str(budget), "--mixed-prefill-tokens", str(mixed), *SERVER_FLAGS]
+    command += ["--port", str(port), *SERVER_FLAGS]
+    for name, value in setting.items():
+        command += ["--" + name.replace("_", "-"), str(value).lower()]
     # Its log goes to a file: a pipe nobody reads would block the server once it filled.
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the server process
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -136,10 +151,8 @@ async def poisson(client, rate: float, count: int, tokens: int) -> dict:
     return summarize(results, time.perf_counter() - start)
 
 
-def offline_tokens_per_s(decode_steps: int, budget: int, mixed: int, tokens: int) -> float:
-    llm = jinfer.LLM(
-        decode_steps=decode_steps, prefill_token_budget=budget, mixed_prefill_tokens=mixed, **ENGINE
-    )
+def offline_tokens_per_s(setting: dict, tokens: int) -> float:
+    llm = jinfer.LLM(**setting, **ENGINE)
     llm.engine.warmup()
     conversations = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(8)]
     sampling = jinfer.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -173,8 +186,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--configs",
-        default="4:512,1:64,1:64:4",
-        help="decode_steps:prefill_token_budget[:mixed_prefill_tokens]",
+        default="4:512,1:64,1:64:4:0",
+        help="decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]",
     )
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--per-client", type=int, default=4, help="requests each closed-loop client sends")
@@ -184,14 +197,13 @@ def main() -> int:
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     runs = []
-    for config in args.configs.split(","):
-        decode_steps, budget, mixed = ([int(v) for v in config.split(":")] + [0])[:3]
-        label = f"decode_steps={decode_steps}, prefill_token_budget={budget}, mixed_prefill_tokens={mixed}"
+    for setting in [parse_setting(config) for config in args.configs.split(",")]:
+        label = describe(setting)
         progress(f"{label}: offline reference (8 prompts at once)")
-        offline = offline_tokens_per_s(decode_steps, budget, mixed, args.tokens)
+        offline = offline_tokens_per_s(setting, args.tokens)
         progress(f"{label}: starting jinfer serve")
         port = free_port()
-        server = start_server(port, decode_steps, budget, mixed)
+        server = start_server(port, setting)
         try:
             rows = asyncio.run(serve_scenarios(port, args))
         finally:
@@ -199,10 +211,8 @@ def main() -> int:
             server.wait(60)
         at_8 = next((r for r in rows if r["concurrency"] == 8), None)
         runs.append(
-            {
-                "decode_steps": decode_steps,
-                "prefill_token_budget": budget,
-                "mixed_prefill_tokens": mixed,
+            setting
+            | {
                 "offline_batch8_tokens_per_s": offline,
                 "served_over_offline_at_8": at_8["output_tokens_per_s"] / offline if at_8 else None,
                 "scenarios": rows,
@@ -212,9 +222,7 @@ def main() -> int:
     for run in runs:
         ratio = run["served_over_offline_at_8"]
         parts.append(
-            f"\n### decode_steps = {run['decode_steps']}, prefill_token_budget = "
-            f"{run['prefill_token_budget']}, mixed_prefill_tokens = {run['mixed_prefill_tokens']}: "
-            "offline batch 8 "
+            f"\n### {describe(run)}: offline batch 8 "
             f"{run['offline_batch8_tokens_per_s']:.1f} tok/s; served / offline at 8 clients = "
             + (f"{ratio:.2f}\n" if ratio is not None else "(no 8-client run)\n")
         )
@@ -242,7 +250,7 @@ def main() -> int:
         x = [r["concurrency"] for r in closed]
         label = "steps {decode_steps}, budget {prefill_token_budget}, mixed {mixed_prefill_tokens}".format(
             **run
-        )
+        ) + (", packed" if run["packed_weights"] else "")
         left.plot(x, [r["output_tokens_per_s"] for r in closed], "o-", label=label)
         left.axhline(run["offline_batch8_tokens_per_s"], ls="--", lw=0.8, color=left.lines[-1].get_color())
         right.plot(x, [r["itl_ms"]["p50"] for r in closed], "o-", label=f"{label} ITL p50")
