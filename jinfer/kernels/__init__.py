@@ -4,8 +4,9 @@ The CPU kernels are C++ sources in this package (`<name>.cc`, sharing `cpu_vecto
 first use by `register_cpu_kernel` with the machine's C++ compiler against the XLA FFI headers that
 jaxlib ships, and registered as XLA:CPU custom calls. A build takes a few seconds once: the library
 is cached under ~/.cache/jinfer (or $JINFER_CACHE_DIR), keyed by the sources, jaxlib's version, the
-compiler and this CPU's instruction set (it is built for this CPU, -march=native). Each kernel's
-module decides what a failed build means (so far: a warning, and XLA's own ops instead).
+compiler and this CPU's instruction set (it is built for this CPU, -march=native). A kernel that
+cannot be built is a warning saying why; its module's `available()` is then False and the engine
+uses XLA's own ops instead.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent
 
 
-def register_cpu_kernel(name: str, symbol: str, target: str) -> None:
+def register_cpu_kernel(
+    name: str, symbol: str, target: str, logger: logging.Logger, unavailable: str
+) -> bool:
     """Build `<name>.cc` (or take it from the cache) and register its FFI handler `symbol` as the
-    XLA:CPU custom call `target`. Raises OSError or subprocess.SubprocessError if it cannot."""
-    handler = getattr(ctypes.CDLL(str(_build(name))), symbol)
+    XLA:CPU custom call `target`. If it cannot, warn on `logger` with the `unavailable` message
+    (what is used instead) and why, and return False."""
+    try:
+        handler = getattr(ctypes.CDLL(str(_build(name))), symbol)
+    except (OSError, subprocess.SubprocessError) as error:
+        logger.warning("%s: %s", unavailable, getattr(error, "stderr", None) or error)
+        return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return True
 
 
 def _cpu_signature() -> str:
