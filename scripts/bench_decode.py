@@ -15,8 +15,8 @@ Measured side by side in one run (the machines are shared and noisy, so only rat
     jinfer's; time to load each;
   * the same for a random-weight Llama-shaped model of ~0.9 GB (jinfer and transformers);
   * jinfer runs with packed weights as the CPU presets do (`packed_weights`: decode products of up
-    to 8 columns through its C++ kernel); its compiled decode with them against the same engine
-    on XLA's products alone, alternating, at --packed-slots;
+    to 8 columns through its C++ kernel); its compiled decode with them against an engine of the
+    same settings on XLA's products alone, alternating, at --packed-slots;
   * decode at a long context (SmolLM2, 1 and 8 slots at position --context): jinfer's compiled
     decode with its attention kernel against the same engine on XLA's einsums (decode_kernel=False),
     against transformers and (batch 1) llama.cpp decoding after a prompt of that length; MBU counts
@@ -221,8 +221,9 @@ def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool
 
 
 def bench_packed_weights(path: str, slot_counts: list[int], rounds: int = 5) -> list[dict]:
-    """jinfer's compiled decode (4 steps a call, at position 100) with packed weights against the
-    same engine on XLA's products alone: `rounds` alternating timings, the median of the pairs."""
+    """jinfer's compiled decode (4 steps a call, at position 100) with packed weights against an
+    engine of the same settings on XLA's products alone: `rounds` alternating timings, the median
+    of the pairs."""
     rows = []
     for slots in slot_counts:
         progress(f"packed weights: {slots} slots, packed and XLA engines (load, build, warm up)")
@@ -231,7 +232,7 @@ def bench_packed_weights(path: str, slot_counts: list[int], rounds: int = 5) -> 
             packed: jinfer.LLM(path, packed_weights=packed, **options).engine for packed in (True, False)
         }
         calls, position = 8, 100
-        reach = position + calls * 4 + 1
+        reach = position + calls * options["decode_steps"] + 1
         for engine in engines.values():
             time_decode_calls(engine, slots, reach, calls, position=position)  # compiles, warms up
         before = sum(engine.compile_count() for engine in engines.values())
@@ -332,7 +333,7 @@ def report(result: dict) -> str:
             "Load: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in model["load"].items())
         )
     if result.get("packed_weights"):
-        parts.append("\n### SmolLM2-135M decode: packed weights against XLA's products (same engine)\n")
+        parts.append("\n### SmolLM2-135M decode: packed weights against XLA's products (same settings)\n")
         columns = ["slots", "packed ms/step", "XLA ms/step", "XLA / packed, median", "lowest pair"]
         columns += ["highest pair", "compiles"]
         keys = ["slots", "packed_step_ms", "xla_step_ms", "xla_over_packed", "lowest_pair", "highest_pair"]
