@@ -1,6 +1,6 @@
 """Native kernels for what XLA compiles poorly on a platform, each called from jitted code.
 
-The CPU kernels are C++ sources in this package (`<name>.cc`, sharing `cpu_vectors.h`), built on
+The CPU kernels are C++ sources in this package (`<name>.cc`, sharing `cpu_common.h`), built on
 first use by `register_cpu_kernel` with the machine's C++ compiler against the XLA FFI headers that
 jaxlib ships, and registered as XLA:CPU custom calls. A build takes a few seconds once: the library
 is cached under ~/.cache/jinfer (or $JINFER_CACHE_DIR), keyed by the sources, jaxlib's version, the

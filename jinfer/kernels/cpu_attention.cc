@@ -15,16 +15,13 @@
 //                              sees nothing (its output is zero)
 // Result: out [B, K, G, T, H]. Attributes: window (0: none), scale (applied to q . k).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "cpu_vectors.h"
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -176,8 +173,7 @@ void AttendRange(const Dims& d, const float* q, const float* keys, const float* 
   }
 }
 
-// Tasks are (row, kv head, split) triples; helper tasks on XLA's pool and the calling thread
-// claim them from a counter, so the caller finishes alone if no helper gets to run.
+// Tasks are (row, kv head, split) triples (run with jinfer::RunTasks).
 struct Job {
   Dims d;
   const float *q, *cache_k, *cache_v;
@@ -187,8 +183,6 @@ struct Job {
   std::vector<int64_t> lo, hi;  // per batch entry: the keys any of its queries sees, [lo, hi)
   // Online-softmax state per task and query: running max, denominator, output sums [H].
   std::vector<float> max, denominator, acc;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   // Fills lo and hi; returns the longest range.
   int64_t KeyRanges() {
@@ -220,13 +214,6 @@ struct Job {
     AttendRange(d, q + (b * d.kv_heads + k) * Q * H, cache_k + row_offset, cache_v + row_offset,
                 positions + b * d.tokens, window, scale, begin, end, &max[task * Q],
                 &denominator[task * Q], &acc[task * Q * H]);
-  }
-
-  void Work() {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      Run(t);
-      done.fetch_add(1, std::memory_order_release);
-    }
   }
 
   // out[b, k] = the splits' sums, each rescaled to the common maximum, over their denominators.
@@ -268,35 +255,33 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     return ffi::Error::InvalidArgument(
         "jinfer cpu attention: q [B, K, G, T, H], cache [R, K, S, H] (H a multiple of 8), "
         "rows [B], positions [B, T] expected");
-  auto job = std::make_shared<Job>();
-  job->d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
+  Job job;
+  job.d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
   for (int64_t b = 0; b < qd[0]; ++b)
     if (rows.typed_data()[b] < 0 || rows.typed_data()[b] >= cd[0])
       return ffi::Error::InvalidArgument("jinfer cpu attention: a row index is out of range");
-  job->q = q.typed_data();
-  job->cache_k = cache_k.typed_data();
-  job->cache_v = cache_v.typed_data();
-  job->rows = rows.typed_data();
-  job->positions = positions.typed_data();
-  job->window = window;
-  job->scale = scale;
+  job.q = q.typed_data();
+  job.cache_k = cache_k.typed_data();
+  job.cache_v = cache_v.typed_data();
+  job.rows = rows.typed_data();
+  job.positions = positions.typed_data();
+  job.window = window;
+  job.scale = scale;
   const int64_t pairs = qd[0] * qd[1];
-  const int64_t longest = job->KeyRanges();
+  const int64_t longest = job.KeyRanges();
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
   const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : jinfer::PoolCores(pool);
   // Enough tasks to keep every thread busy when few (row, kv head) pairs decode a long row, but
   // no split shorter than 256 keys: each split's partial sums cost a merge.
-  job->splits = std::clamp<int64_t>((4 * threads + pairs - 1) / pairs, 1,
+  job.splits = std::clamp<int64_t>((4 * threads + pairs - 1) / pairs, 1,
                                     std::max<int64_t>(1, longest / 256));
-  job->tasks = pairs * job->splits;
+  job.tasks = pairs * job.splits;
   const int64_t Q = qd[2] * qd[3];
-  job->max.assign(job->tasks * Q, kNegInf);
-  job->denominator.assign(job->tasks * Q, 0.0f);
-  job->acc.assign(job->tasks * Q * qd[4], 0.0f);
-  for (int64_t i = 1; i < std::min(threads, job->tasks); ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
-  job->Merge(out->typed_data());
+  job.max.assign(job.tasks * Q, kNegInf);
+  job.denominator.assign(job.tasks * Q, 0.0f);
+  job.acc.assign(job.tasks * Q * qd[4], 0.0f);
+  jinfer::RunTasks(pool, threads, job.tasks, [&job](int64_t task) { job.Run(task); });
+  job.Merge(out->typed_data());
   return ffi::Error::Success();
 }
 

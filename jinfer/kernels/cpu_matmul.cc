@@ -10,13 +10,9 @@
 // Operands (row-major float32): packed [B, K, 8], x [K, N]. Result: y [8 B, N] (rows past M are
 // the zero padding's products).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
-#include <utility>
 
-#include "cpu_vectors.h"
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,23 +66,6 @@ void Block(const float* packed, const float* x, float* y, int64_t K, int64_t N, 
   }
 }
 
-// Tasks of kBlocksPerTask blocks, claimed from a counter by the caller and by helpers on XLA's
-// pool: the caller finishes alone if no helper gets to run.
-struct Job {
-  const float *packed, *x;
-  float* y;
-  int64_t blocks, K, N, tasks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Work() {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      const int64_t end = std::min(blocks, (t + 1) * kBlocksPerTask);
-      for (int64_t b = t * kBlocksPerTask; b < end; ++b) Block(packed, x, y, K, N, b);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto pd = packed.dimensions(), xd = x.dimensions(), yd = y->dimensions();
@@ -94,18 +73,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffe
       yd[1] != xd[1])
     return ffi::Error::InvalidArgument(
         "jinfer cpu matmul: packed [B, K, 8], x [K, N] and y [8 B, N] expected");
-  auto job = std::make_shared<Job>();
-  job->packed = packed.typed_data();
-  job->x = x.typed_data();
-  job->y = y->typed_data();
-  job->blocks = pd[0];
-  job->K = pd[1];
-  job->N = xd[1];
-  job->tasks = (job->blocks + kBlocksPerTask - 1) / kBlocksPerTask;
-  const int64_t threads = std::min(jinfer::PoolCores(pool), job->tasks);
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
+  const float* w = packed.typed_data();
+  const float* columns = x.typed_data();
+  float* out = y->typed_data();
+  const int64_t blocks = pd[0], K = pd[1], N = xd[1];
+  const int64_t tasks = (blocks + kBlocksPerTask - 1) / kBlocksPerTask;
+  jinfer::RunTasks(pool, jinfer::PoolCores(pool), tasks, [=](int64_t task) {
+    const int64_t end = std::min(blocks, (task + 1) * kBlocksPerTask);
+    for (int64_t b = task * kBlocksPerTask; b < end; ++b) Block(w, columns, out, K, N, b);
+  });
   return ffi::Error::Success();
 }
 
