@@ -49,7 +49,7 @@ log = logging.getLogger("jinfer.engine")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-__all__ = ["Engine", "QueueFullError", "RequestOutput"]
+__all__ = ["DispatchCounts", "Engine", "QueueFullError", "RequestOutput"]
 
 
 def available_memory_bytes(device) -> int:
@@ -62,6 +62,25 @@ def available_memory_bytes(device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot tell how much memory is available")
+
+
+@dataclasses.dataclass
+class DispatchCounts:
+    """What the device was asked to compute since the engine started: how full its batches ran.
+
+    Decode row-steps are slot rows times decode steps; `active` rows belong to a request, `idle`
+    ones pad the dispatch to its slot bucket. active / steps is the mean decode batch.
+    """
+
+    prefill_dispatches: int = 0  # prompt chunks dispatched on their own
+    prefill_tokens: int = 0  # their prompt tokens...
+    prefill_padding: int = 0  # ... and the padding up to their buckets
+    decode_dispatches: int = 0  # decode dispatches, mixed ones included
+    mixed_dispatches: int = 0  # decode dispatches that carried a prompt chunk
+    mixed_tokens: int = 0  # the prompt tokens they carried
+    decode_steps: int = 0
+    decode_active_row_steps: int = 0
+    decode_idle_row_steps: int = 0
 
 
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
@@ -108,6 +127,7 @@ class Engine:
             config.decode_steps,
         )
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
+        self.dispatch_counts = DispatchCounts()  # written by the loop thread only
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -288,6 +308,7 @@ class Engine:
 
     def _dispatch(self, plan: Plan) -> list:
         dispatched = []
+        counts = self.dispatch_counts
         for work in plan.prefills:
             size = next(b for b in self.config.prefill_buckets if b >= len(work.tokens))
             try:
@@ -297,6 +318,9 @@ class Engine:
             except Exception as e:  # a device failure must not kill the engine
                 self._recover([work.request], e)
                 continue
+            counts.prefill_dispatches += 1
+            counts.prefill_tokens += len(work.tokens)
+            counts.prefill_padding += size - len(work.tokens)
             if work.last:
                 dispatched.append(([work.request], out))
         if not plan.decodes:
@@ -327,6 +351,14 @@ class Engine:
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)
             return dispatched
+        steps = self.config.decode_steps if fused is None else 1
+        counts.decode_dispatches += 1
+        counts.decode_steps += steps
+        counts.decode_active_row_steps += len(running) * steps
+        counts.decode_idle_row_steps += (rows - len(running)) * steps
+        if fused is not None:
+            counts.mixed_dispatches += 1
+            counts.mixed_tokens += len(fused.tokens)
         dispatched.append((owners, out))
         if fused is not None and fused.last:
             dispatched.append(([fused.request], chunk_out))

@@ -2,7 +2,8 @@
 
 Per-request numbers (queue time, time to first token, inter-token latencies, end-to-end time) come
 from the `metrics` dict of each finished request; load gauges (running and waiting requests, slots
-in use, KV cache use) are read from the engine when scraped. Each `ServingMetrics` owns its own
+in use, KV cache use) and the engine's dispatch counters (how full its prefill and decode batches
+ran) are read from the engine when scraped. Each `ServingMetrics` owns its own
 registry, so several servers (or tests) in one process do not collide.
 """
 
@@ -12,15 +13,58 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from jinfer.engine import DispatchCounts
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class _DispatchCollector:
+    """The engine's `DispatchCounts` as Prometheus counters, read at each scrape."""
+
+    def __init__(self, counts: Callable[[], DispatchCounts]):
+        self._counts = counts
+
+    def collect(self):
+        c = self._counts()
+        prefill_tokens = CounterMetricFamily(
+            "jinfer_prefill_tokens", "Tokens computed by prefill dispatches", labels=["kind"]
+        )
+        prefill_tokens.add_metric(["prompt"], c.prefill_tokens)
+        prefill_tokens.add_metric(["padding"], c.prefill_padding)
+        row_steps = CounterMetricFamily(
+            "jinfer_decode_row_steps",
+            "Slot rows computed by decode steps: active (a request's) or idle (bucket padding)",
+            labels=["state"],
+        )
+        row_steps.add_metric(["active"], c.decode_active_row_steps)
+        row_steps.add_metric(["idle"], c.decode_idle_row_steps)
+        yield from (
+            CounterMetricFamily(
+                "jinfer_prefill_dispatches", "Prompt chunks dispatched on their own", c.prefill_dispatches
+            ),
+            prefill_tokens,
+            CounterMetricFamily("jinfer_decode_dispatches", "Decode dispatches", c.decode_dispatches),
+            CounterMetricFamily("jinfer_decode_steps", "Decode steps run on the device", c.decode_steps),
+            row_steps,
+            CounterMetricFamily(
+                "jinfer_mixed_dispatches", "Decode dispatches carrying a prompt chunk", c.mixed_dispatches
+            ),
+            CounterMetricFamily(
+                "jinfer_mixed_prompt_tokens", "Prompt tokens carried by decode dispatches", c.mixed_tokens
+            ),
+        )
+
+
 class ServingMetrics:
-    def __init__(self, engine_stats: Callable[[], dict[str, float]]):
+    def __init__(
+        self, engine_stats: Callable[[], dict[str, float]], dispatch_counts: Callable[[], DispatchCounts]
+    ):
         self.registry = CollectorRegistry()
         self._engine_stats = engine_stats
         r = self.registry
+        r.register(_DispatchCollector(dispatch_counts))
         self.ttft = Histogram(
             "jinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )

@@ -1,13 +1,14 @@
 """Per-op profile of jinfer's compiled decode step, next to the bare matrix-vector ceiling.
 
-Traces a few calls of the engine's jitted decode (SmolLM2-135M, float32, all slots busy) with
+Traces a few calls of the engine's jitted decode (SmolLM2-135M, float32, all slots busy, packed
+weights as `make serve` runs it unless told otherwise) with
 `jax.profiler`, maps every executed XLA op to the model's named scopes (qkv_proj, attention,
 kv_write, out_proj, mlp, logits, sampling; the rest is "other": norms, RoPE, residuals, loop
 bookkeeping) and reports time per decode step for each, with the top ops. In the same run it
-times the weight products alone (the same matrices, back to back, W @ x) and a 1 GiB reduction:
-what XLA:CPU can do at best for the bytes a step must read.
+times the weight products alone (the same matrices back to back, computed as the step computes
+them) and a 1 GiB reduction: what this CPU can do at best for the bytes a step must read.
 
-    python scripts/profile_decode.py [--slots 1,8] [--out results]
+    python scripts/profile_decode.py [--slots 1,8] [--packed-weights true|false] [--out results]
 
 Writes results/profile_decode.{json,md,png}. Profiling adds per-op overhead, so the shares are what
 to read; the unprofiled step time is printed next to them.
@@ -20,6 +21,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import sys
@@ -39,6 +41,7 @@ from benchlib import (
 )
 
 import jinfer
+from jinfer.models import llama
 
 SCOPES = ("qkv_proj", "kv_write", "attention", "out_proj", "mlp", "logits", "sampling")
 CALLS = 5
@@ -66,36 +69,37 @@ def op_scopes(compiled_text: str) -> dict[str, str]:
 
 
 def weight_products_s(params, slots: int) -> float:
-    """The decode step's weight products alone: every layer matrix and the vocabulary matrix."""
-    matrices = [params.embed if params.lm_head is None else params.lm_head]
+    """The decode step's weight products alone, computed as the step computes them
+    (`llama.project`: the packed-weight kernel where the engine packed the weights, XLA's dot
+    otherwise): every layer matrix and the vocabulary matrix."""
+    weights = [params.embed if params.lm_head is None else params.lm_head]
+    input_dims = [1]
     for layer in params.layers:
-        matrices += [layer.wqkv.reshape(-1, layer.wqkv.shape[-1])]
-        matrices += [
-            layer.wo.reshape(layer.wo.shape[0], -1),
-            layer.w_gate_up.reshape(-1, layer.w_gate_up.shape[-1]),
-            layer.w_down,
-        ]
+        weights += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+        input_dims += [1, 2, 1, 1]  # wo is [D, heads, head_dim]
 
     @jax.jit
-    def products(matrices, x):
+    def products(weights, x):
         total = 0.0
-        for m in matrices:
-            columns = jnp.ones((m.shape[1], slots), m.dtype) * x
-            total += jnp.sum(m @ columns)
+        for w, dims in zip(weights, input_dims, strict=True):
+            width = math.prod(llama.unpacked(w).shape[-dims:])
+            total += jnp.sum(llama.project(w, jnp.ones((width, slots), jnp.float32) * x, dims))
         return total
 
     x = jnp.float32(1.0)
-    products(matrices, x).block_until_ready()
+    products(weights, x).block_until_ready()
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        products(matrices, x).block_until_ready()
+        products(weights, x).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def profile(slots: int) -> dict:
-    llm = jinfer.LLM(max_slots=slots, max_seq_len=512, prefill_buckets=(16,), decode_steps=4)
+def profile(slots: int, packed_weights: bool) -> dict:
+    llm = jinfer.LLM(
+        max_slots=slots, max_seq_len=512, prefill_buckets=(16,), decode_steps=4, packed_weights=packed_weights
+    )
     llm.engine.warmup()
     sampling = jinfer.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     llm.generate([PROMPT] * slots, sampling)  # fill the cache and state with real requests
@@ -151,6 +155,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--slots", default="1,8")
+    parser.add_argument(
+        "--packed-weights",
+        choices=("true", "false"),
+        default="true",
+        help="decode products by the packed-weight kernel, as `make serve` runs them (default true)",
+    )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     progress("measuring memory bandwidth")
@@ -158,7 +168,7 @@ def main() -> int:
     runs = []
     for slots in (int(s) for s in args.slots.split(",")):
         progress(f"profiling the decode step with {slots} slots")
-        runs.append(profile(slots))
+        runs.append(profile(slots, args.packed_weights == "true"))
     parts = []
     for run in runs:
         total = run["profiled_op_ms"]
@@ -174,7 +184,8 @@ def main() -> int:
         parts.append(
             markdown_table(["top op", "scope", "ms per step"], [list(o.values()) for o in run["top_ops"]])
         )
-    write_results(args.out, "profile_decode", {"ceiling": ceiling, "runs": runs}, "\n".join(parts))
+    summary = {"ceiling": ceiling, "packed_weights": args.packed_weights == "true", "runs": runs}
+    write_results(args.out, "profile_decode", summary, "\n".join(parts))
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))

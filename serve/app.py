@@ -113,7 +113,7 @@ class JinferAPI:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.bridge: EngineBridge | None = None  # created on the event loop at startup
-        self.metrics = ServingMetrics(engine.stats)
+        self.metrics = ServingMetrics(engine.stats, lambda: engine.dispatch_counts)
         self.ready = False
         self.draining = False
 

@@ -1,5 +1,7 @@
 """The engine on tiny real models: batch invariance, chunked prefill, sharding, compiles, policies."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,6 +148,10 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
         ]
         assert [last for _, _, last in chunks] == [False] * (len(chunks) - 1) + [True]  # only it has logits
     assert sorted(sum(c[1] for c in chunks) for chunks in chunks_by_slot.values()) == [21, 97]
+    assert (engine.dispatch_counts.mixed_dispatches, engine.dispatch_counts.mixed_tokens) == (
+        len(carried),
+        118,
+    )
     assert max(c.start + c.size for c in carried) > 100  # padding past the cache's end
     assert outputs["first"] == _greedy_reference(llm, first, 40)
     assert outputs["seeded"] == seeded_alone.token_ids
@@ -419,3 +425,25 @@ def test_packed_weights_decode_the_same_tokens_and_logprobs(tiny_model, family, 
     want_lp = np.array([e["logprob"] for o in want for e in o.logprobs])
     assert np.abs(got_lp - want_lp).max() < 1e-4
     assert packed.engine.compile_count() == plain.engine.compile_count()
+
+
+def test_dispatch_counts_say_how_full_the_batches_ran(llm):
+    engine = llm.engine
+    before = dataclasses.asdict(engine.dispatch_counts)
+    steps = engine.config.decode_steps
+    sampling = jinfer.SamplingParams(max_tokens=1 + 2 * steps, temperature=0, ignore_eos=True)
+    llm.generate([_prompt(7, 12), _prompt(8, 12)], sampling)
+    counts = dataclasses.asdict(engine.dispatch_counts)
+    delta = {name: counts[name] - before[name] for name in counts}
+    rows = engine.config.slot_bucket(2)
+    assert delta == {
+        "prefill_dispatches": 2,
+        "prefill_tokens": 24,
+        "prefill_padding": 2 * (16 - 12),
+        "decode_dispatches": 2,  # the prefill samples the first token, each dispatch `steps` more
+        "mixed_dispatches": 0,
+        "mixed_tokens": 0,
+        "decode_steps": 2 * steps,
+        "decode_active_row_steps": 2 * 2 * steps,
+        "decode_idle_row_steps": (rows - 2) * 2 * steps,
+    }

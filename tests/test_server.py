@@ -331,6 +331,23 @@ def test_tokenize_and_detokenize(server):
     assert _post(server, "/detokenize", json_body={"tokens": [-1]}).status_code == 400
 
 
+def test_metrics_count_the_engines_dispatches(client, server):
+    names = (
+        "jinfer_prefill_dispatches_total",
+        'jinfer_prefill_tokens_total{kind="prompt"}',
+        "jinfer_decode_steps_total",
+        'jinfer_decode_row_steps_total{state="active"}',
+    )
+    before = [_metric(server, name) for name in names]
+    client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
+    )
+    prompt_tokens = len(_post(server, "/tokenize", json_body={"prompt": "Once upon a time"}).json()["tokens"])
+    grown = [_metric(server, name) - b for name, b in zip(names, before, strict=True)]
+    # The prefill samples the first token; decode steps the other 8 (more if others ran meanwhile).
+    assert grown[0] >= 1 and grown[1] >= prompt_tokens and grown[2] >= 8 and grown[3] >= 8, grown
+
+
 # --------------------------------------------------------------- overload and disconnects
 def test_queue_overload_gives_429_and_accepted_requests_complete(server):
     async def one(http, i):
