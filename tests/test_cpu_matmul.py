@@ -22,18 +22,29 @@ from jinfer.kernels import cpu_matmul
     ],
 )
 def test_packed_product_equals_xla_product(rows, width, columns):
-    """Rows not a multiple of 8 (zero padding cut off), odd widths, every column tile remainder, and
-    more columns than one tile (the engine never sends those, the kernel still multiplies them)."""
+    """Rows not a multiple of the block (zero padding cut off), odd widths, every column tile
+    remainder, and more columns than one tile (the engine never sends those, the kernel still
+    multiplies them)."""
     assert cpu_matmul.available()
+    block = cpu_matmul.block_rows()
+    assert block in (8, 16)  # one vector register of floats: AVX-512 or 8-lane vectors
     rng = np.random.default_rng(rows * columns)
     w = rng.standard_normal((rows, width), dtype=np.float32)
     x = rng.standard_normal((width, columns), dtype=np.float32)
     packed = cpu_matmul.pack(jnp.asarray(w))
-    assert packed.shape == (-(-rows // 8), width, 8)
+    assert packed.shape == (-(-rows // block), width, block)
     got = np.asarray(jax.jit(cpu_matmul.matmul, static_argnums=2)(packed, jnp.asarray(x), rows))
     want = w.astype(np.float64) @ x.astype(np.float64)
     assert got.shape == (rows, columns)
     assert np.abs(got - want).max() <= 1e-5 * np.sqrt(width) * np.abs(want).max()
+
+
+def test_a_layout_the_kernel_was_not_built_for_is_a_clear_error():
+    assert cpu_matmul.available()
+    block = cpu_matmul.block_rows()
+    wrong = jnp.zeros((2, 16, block + 8), jnp.float32)
+    with pytest.raises(Exception, match=rf"packed \[B, K, {block}\]"):
+        jax.block_until_ready(cpu_matmul.matmul(wrong, jnp.ones((16, 2), jnp.float32), 2 * (block + 8)))
 
 
 def test_a_matmul_kernel_that_cannot_be_built_leaves_xla_products(tmp_path, monkeypatch, caplog, tiny_model):
@@ -48,7 +59,7 @@ def test_a_matmul_kernel_that_cannot_be_built_leaves_xla_products(tmp_path, monk
         scope.setenv("JINFER_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
         scope.setenv("CXX", "false")  # a compiler that always fails
         with caplog.at_level(logging.WARNING, logger="jinfer.kernels.cpu_matmul"):
-            assert cpu_matmul.available.__wrapped__() is False
+            assert cpu_matmul._library.__wrapped__() is None
     assert "CPU matmul kernel unavailable" in caplog.text and "non-zero exit status" in caplog.text
     monkeypatch.setattr(cpu_matmul, "available", lambda: False)
     llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=128, packed_weights=True)

@@ -31,17 +31,18 @@ SOURCES = Path(__file__).parent
 
 def register_cpu_kernel(
     name: str, symbol: str, target: str, logger: logging.Logger, unavailable: str
-) -> bool:
-    """Build `<name>.cc` (or take it from the cache) and register its FFI handler `symbol` as the
-    XLA:CPU custom call `target`. If it cannot, warn on `logger` with the `unavailable` message
-    (what is used instead) and why, and return False."""
+) -> ctypes.CDLL | None:
+    """Build `<name>.cc` (or take it from the cache), register its FFI handler `symbol` as the
+    XLA:CPU custom call `target` and return the loaded library. If it cannot, warn on `logger` with
+    the `unavailable` message (what is used instead) and why, and return None."""
     try:
-        handler = getattr(ctypes.CDLL(str(_build(name))), symbol)
-    except (OSError, subprocess.SubprocessError) as error:
+        library = ctypes.CDLL(str(_build(name)))
+        handler = getattr(library, symbol)
+    except (OSError, AttributeError, subprocess.SubprocessError) as error:
         logger.warning("%s: %s", unavailable, getattr(error, "stderr", None) or error)
-        return False
+        return None
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    return True
+    return library
 
 
 def _cpu_signature() -> str:

@@ -26,7 +26,7 @@ TARGET = "jinfer_cpu_attention"
 def available() -> bool:
     """Whether the kernel is built and registered (builds it the first time)."""
     unavailable = "CPU attention kernel unavailable, decode attends with XLA's einsums"
-    return register_cpu_kernel("cpu_attention", "JinferCpuAttention", TARGET, log, unavailable)
+    return register_cpu_kernel("cpu_attention", "JinferCpuAttention", TARGET, log, unavailable) is not None
 
 
 def attention(

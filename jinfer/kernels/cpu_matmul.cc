@@ -2,15 +2,20 @@
 //
 // A decode step multiplies every weight matrix by one column per busy slot. XLA:CPU's products
 // run far below the memory bandwidth for 2-8 columns (its GEMM is tuned for many). Here W [M, K]
-// is packed once as [ceil(M / 8), K, 8]: block b holds rows 8b..8b+7, and for each input index k
-// their 8 weights are one vector. The inner loop loads that vector and multiplies it by each
-// column's broadcast x[k, c] into one running 8-row sum per column, so the weights stream front to
-// back exactly once whatever the column count, and blocks of rows are shared over XLA's threads.
+// is packed once as [ceil(M / R), K, R], R = the floats of one vector register (16 with AVX-512,
+// 8 otherwise; `JinferCpuMatmulBlockRows` tells the packer): block b holds rows Rb..Rb+R-1, and
+// for each input index k their R weights are one vector. The inner loop loads that vector and
+// multiplies it by each column's broadcast x[k, c] into one running R-row sum per column, so the
+// weights stream front to back exactly once whatever the column count, and blocks of rows are
+// shared over XLA's threads. At 8 columns the multiplies, not the bytes, set the pace: the wider
+// the register, the fewer of them.
 //
-// Operands (row-major float32): packed [B, K, 8], x [K, N]. Result: y [8 B, N] (rows past M are
+// Operands (row-major float32): packed [B, K, R], x [K, N]. Result: y [R B, N] (rows past M are
 // the zero padding's products).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
 
 #include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -19,39 +24,50 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using jinfer::f8;
+#ifdef __AVX512F__
+constexpr int kRows = 16;
+#else
+constexpr int kRows = 8;
+#endif
+typedef float Rows __attribute__((vector_size(kRows * sizeof(float))));
 
-constexpr int64_t kBlocksPerTask = 8;  // 64 rows: small enough to balance, big enough to stream
+constexpr int64_t kBlocksPerTask = 64 / kRows;  // 64 rows: small enough to balance, big enough to stream
 
-// Rows [8b, 8b + 8) x columns [c0, c0 + n). Fewer columns leave FMA units idle, so the k loop is
-// unrolled U ways with separate sums to keep as many multiplies in flight.
+inline Rows LoadRows(const float* p) {
+  Rows v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Rows [R b, R b + R) x columns [c0, c0 + n). Fewer columns leave FMA units idle, so the k loop
+// is unrolled U ways with separate sums to keep as many multiplies in flight.
 template <int n>
 inline void Tile(const float* packed, const float* x, float* y, int64_t K, int64_t N, int64_t b,
                  int64_t c0) {
   constexpr int U = n >= 8 ? 1 : (n >= 4 ? 2 : (n >= 2 ? 4 : 8));
-  f8 acc[U][n] = {};
-  const float* w = packed + b * K * 8;
+  Rows acc[U][n] = {};
+  const float* w = packed + b * K * kRows;
   const float* xc = x + c0;
   int64_t k = 0;
   for (; k + U <= K; k += U) {
     for (int u = 0; u < U; ++u) {
-      const f8 wv = jinfer::Load(w + (k + u) * 8);
+      const Rows wv = LoadRows(w + (k + u) * kRows);
       const float* xk = xc + (k + u) * N;
       for (int c = 0; c < n; ++c) acc[u][c] += wv * xk[c];
     }
   }
   for (; k < K; ++k) {
-    const f8 wv = jinfer::Load(w + k * 8);
+    const Rows wv = LoadRows(w + k * kRows);
     for (int c = 0; c < n; ++c) acc[0][c] += wv * xc[k * N + c];
   }
   for (int c = 0; c < n; ++c) {
-    f8 sum = acc[0][c];
+    Rows sum = acc[0][c];
     for (int u = 1; u < U; ++u) sum += acc[u][c];
-    for (int r = 0; r < 8; ++r) y[(b * 8 + r) * N + c0 + c] = sum[r];
+    for (int r = 0; r < kRows; ++r) y[(b * kRows + r) * N + c0 + c] = sum[r];
   }
 }
 
-// One block of 8 rows against every column, 8 columns at a time.
+// One block of R rows against every column, 8 columns at a time.
 void Block(const float* packed, const float* x, float* y, int64_t K, int64_t N, int64_t b) {
   int64_t c0 = 0;
   for (; c0 + 8 <= N; c0 += 8) Tile<8>(packed, x, y, K, N, b, c0);
@@ -69,10 +85,11 @@ void Block(const float* packed, const float* x, float* y, int64_t K, int64_t N, 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto pd = packed.dimensions(), xd = x.dimensions(), yd = y->dimensions();
-  if (pd.size() != 3 || pd[2] != 8 || xd.size() != 2 || xd[0] != pd[1] || yd[0] != 8 * pd[0] ||
-      yd[1] != xd[1])
-    return ffi::Error::InvalidArgument(
-        "jinfer cpu matmul: packed [B, K, 8], x [K, N] and y [8 B, N] expected");
+  if (pd.size() != 3 || pd[2] != kRows || xd.size() != 2 || xd[0] != pd[1] ||
+      yd[0] != kRows * pd[0] || yd[1] != xd[1])
+    return ffi::Error::InvalidArgument("jinfer cpu matmul: packed [B, K, " + std::to_string(kRows) +
+                                       "], x [K, N] and y [" + std::to_string(kRows) +
+                                       " B, N] expected");
   const float* w = packed.typed_data();
   const float* columns = x.typed_data();
   float* out = y->typed_data();
@@ -86,6 +103,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffe
 }
 
 }  // namespace
+
+extern "C" int JinferCpuMatmulBlockRows() { return kRows; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JinferCpuMatmul, Matmul,
                               ffi::Ffi::Bind()

@@ -1,8 +1,9 @@
 """The CPU few-column matmul kernel (`cpu_matmul.cc`) and the packed weight layout it reads.
 
 A decode step multiplies every weight matrix by one column per busy slot, where XLA:CPU's GEMM runs
-far below the memory bandwidth. The kernel reads a matrix packed as [ceil(out / 8), in, 8] (`pack`)
-and streams it once for up to `MAX_COLUMNS` columns. The engine keeps such a packed copy next to
+far below the memory bandwidth. The kernel reads a matrix packed as [ceil(out / R), in, R] (`pack`;
+R = `block_rows()`, the floats of one vector register: 16 with AVX-512, 8 otherwise) and streams it
+once for up to `MAX_COLUMNS` columns. The engine keeps such a packed copy next to
 each matrix when asked to (`EngineConfig.packed_weights`, see `llama.PackedWeight`); prompts keep
 XLA's dot on the matrix, which multiplies hundreds of columns about twice as fast as this kernel.
 
@@ -24,31 +25,42 @@ from jinfer.kernels import register_cpu_kernel
 log = logging.getLogger(__name__)
 
 TARGET = "jinfer_cpu_matmul"
-ROWS_PER_BLOCK = 8  # one 8-lane vector of weights per input index
 # The kernel's products beat XLA's up to one tile of columns: SmolLM2's decode step ran 1.22-1.25x
 # faster at 8 slots, 1.34-1.38x at 2, 1.12-1.20x at 4, level at 1 and at 16 (two tiles; two runs).
 MAX_COLUMNS = COLUMN_TILE
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered (builds it the first time)."""
+def _library():
     unavailable = "CPU matmul kernel unavailable, decode multiplies with XLA's dot"
     return register_cpu_kernel("cpu_matmul", "JinferCpuMatmul", TARGET, log, unavailable)
 
 
-@jax.jit
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it the first time)."""
+    return _library() is not None
+
+
+@functools.cache
+def block_rows() -> int:
+    """Rows per packed block, as the built kernel reads them: one vector register of floats."""
+    return _library().JinferCpuMatmulBlockRows()
+
+
 def pack(matrix: jax.Array) -> jax.Array:
-    """matrix [M, K] -> [ceil(M / 8), K, 8]: block b holds rows 8b..8b+7 (zeros past M), k-major."""
+    """matrix [M, K] -> [ceil(M / R), K, R]: block b holds rows Rb..Rb+R-1 (zeros past M), k-major."""
+    return _pack(matrix, block_rows())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack(matrix: jax.Array, block: int) -> jax.Array:
     rows, width = matrix.shape
-    padded = jnp.pad(matrix, ((0, -rows % ROWS_PER_BLOCK), (0, 0)))
-    return padded.reshape(-1, ROWS_PER_BLOCK, width).transpose(0, 2, 1)
+    padded = jnp.pad(matrix, ((0, -rows % block), (0, 0)))
+    return padded.reshape(-1, block, width).transpose(0, 2, 1)
 
 
 def matmul(packed: jax.Array, x: jax.Array, rows: int) -> jax.Array:
     """The packed matrix's first `rows` rows times columns x [K, N] (float32) -> [rows, N]."""
-    blocks = packed.shape[0]
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((blocks * ROWS_PER_BLOCK, x.shape[1]), jnp.float32))(
-        packed, x
-    )
+    blocks, _, block = packed.shape
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((blocks * block, x.shape[1]), jnp.float32))(packed, x)
     return out if rows == out.shape[0] else out[:rows]

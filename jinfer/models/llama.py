@@ -240,7 +240,7 @@ class PackedWeight:
     read `packed`, longer ones (prompts) `matrix` with XLA's dot, which is faster there."""
 
     matrix: jax.Array
-    packed: jax.Array  # [ceil(out / 8), in, 8], out and in the products of their dims
+    packed: jax.Array  # [ceil(out / R), in, R] (R = cpu_matmul.block_rows()), out and in flattened
 
 
 def pack_weights(params: Params) -> Params:
