@@ -345,9 +345,9 @@ class EngineConfig:
     # machine's C++ compiler on first use). False: XLA's einsums over the attention bucket.
     decode_kernel: bool = True
     # On a CPU (float32, one device) keep a second copy of each weight matrix packed for jinfer's
-    # few-column matmul kernel (`jinfer.kernels.cpu_matmul`), which decode steps of up to 8 columns
-    # multiply with: SmolLM2's decode step 1.2-1.34x faster at 2-8 slots (level at 1 and 16), at
-    # the cost of the weights' memory again.
+    # few-column matmul kernel (`jinfer.kernels.cpu_matmul`), which decode steps of up to 16
+    # columns multiply with: SmolLM2's decode step ~1.3x faster at 2-4 slots, ~1.6x at 8, ~1.1x at
+    # 16 (level at 1), at the cost of the weights' memory again.
     packed_weights: bool = False
     mesh_data: int = 1  # devices along the data axis (slots are split over it)
     mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)

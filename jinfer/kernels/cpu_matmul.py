@@ -25,9 +25,10 @@ from jinfer.kernels import register_cpu_kernel
 log = logging.getLogger(__name__)
 
 TARGET = "jinfer_cpu_matmul"
-# The kernel's products beat XLA's up to one tile of columns: SmolLM2's decode step ran 1.22-1.25x
-# faster at 8 slots, 1.34-1.38x at 2, 1.12-1.20x at 4, level at 1 and at 16 (two tiles; two runs).
-MAX_COLUMNS = COLUMN_TILE
+# The kernel's products beat XLA's up to two tiles of columns: SmolLM2's decode step, in
+# alternating runs, at 8 slots 30-32 against 47-53 ms, 16 slots 53-56 against 59-62 ms, level at 1
+# slot; beyond, XLA's GEMM (prompts) is the faster.
+MAX_COLUMNS = 2 * COLUMN_TILE
 
 
 @functools.cache
