@@ -36,7 +36,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 # Writes results/*.{json,md,png}; llama.cpp joins the decode benchmark once
-# `$(PY) -m pip install llama-cpp-python==0.3.36` has been run (it compiles for ~10 minutes).
+# `$(PY) -m pip install llama-cpp-python==0.3.36` has been run (it compiles for ~10 minutes; see the
+# README's Performance section for a CPU where its native build stops on an illegal instruction).
 bench: setup
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) scripts/bench_decode.py --out results
