@@ -7,8 +7,8 @@
 // for each input index k their R weights are one vector. The inner loop loads that vector and
 // multiplies it by each column's broadcast x[k, c] into one running R-row sum per column, so the
 // weights stream front to back exactly once whatever the column count, and blocks of rows are
-// shared over XLA's threads. At 8 columns the multiplies, not the bytes, set the pace: the wider
-// the register, the fewer of them.
+// shared over XLA's threads. At 8 columns the multiplies take about as long as the bytes take to
+// arrive: the wider the register the fewer multiplies, and a prefetch (below) overlaps the two.
 //
 // Operands (row-major float32): packed [B, K, R], x [K, N]. Result: y [R B, N] (rows past M are
 // the zero padding's products).
