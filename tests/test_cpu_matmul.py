@@ -1,5 +1,10 @@
 """The CPU few-column matmul kernel against XLA's product, and the engine with packed weights."""
 
+import os
+import platform
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,36 +12,51 @@ import pytest
 
 from jinfer.kernels import cpu_matmul
 
+# Rows not a multiple of the block (zero padding cut off), odd widths, every column tile remainder,
+# and more columns than the engine sends (two tiles and a remainder).
+CASES = [(64, 64, 1), (61, 37, 2), (128, 96, 3), (200, 64, 4), (8, 5, 5), (1000, 129, 7), (64, 64, 8)]
+CASES += [(77, 50, 16), (77, 50, 19)]
 
-@pytest.mark.parametrize(
-    "rows, width, columns",
-    [
-        (64, 64, 1),
-        (61, 37, 2),
-        (128, 96, 3),
-        (200, 64, 4),
-        (8, 5, 5),
-        (1000, 129, 7),
-        (64, 64, 8),
-        (77, 50, 19),
-    ],
-)
-def test_packed_product_equals_xla_product(rows, width, columns):
-    """Rows not a multiple of the block (zero padding cut off), odd widths, every column tile
-    remainder, and more columns than one tile (the engine never sends those, the kernel still
-    multiplies them)."""
-    assert cpu_matmul.available()
-    block = cpu_matmul.block_rows()
-    assert block in (8, 16)  # one vector register of floats: AVX-512 or 8-lane vectors
+
+def _assert_packed_product_matches(rows, width, columns):
     rng = np.random.default_rng(rows * columns)
     w = rng.standard_normal((rows, width), dtype=np.float32)
     x = rng.standard_normal((width, columns), dtype=np.float32)
     packed = cpu_matmul.pack(jnp.asarray(w))
+    block = cpu_matmul.block_rows()
     assert packed.shape == (-(-rows // block), width, block)
     got = np.asarray(jax.jit(cpu_matmul.matmul, static_argnums=2)(packed, jnp.asarray(x), rows))
     want = w.astype(np.float64) @ x.astype(np.float64)
     assert got.shape == (rows, columns)
     assert np.abs(got - want).max() <= 1e-5 * np.sqrt(width) * np.abs(want).max()
+
+
+@pytest.mark.parametrize("rows, width, columns", CASES)
+def test_packed_product_equals_xla_product(rows, width, columns):
+    assert cpu_matmul.available()
+    assert cpu_matmul.block_rows() in (8, 16)  # one vector register of floats: AVX-512 or 8 lanes
+    _assert_packed_product_matches(rows, width, columns)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx512f is an x86 compiler flag")
+def test_the_8_row_build_for_cpus_without_avx512_gives_the_same_products():
+    """Where this CPU has AVX-512 the kernel packs 16 rows; built without it (as on CPUs lacking it),
+    8. A fresh process, since a process registers one build."""
+    script = (
+        "import test_cpu_matmul as t; from jinfer.kernels import cpu_matmul as k; "
+        "assert k.block_rows() == 8, k.block_rows(); "
+        "[t._assert_packed_product_matches(*case) for case in t.CASES]; print('checked', len(t.CASES))"
+    )
+    env = dict(os.environ, JINFER_KERNEL_CXXFLAGS="-mno-avx512f")
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and f"checked {len(CASES)}" in run.stdout, run.stderr[-3000:]
 
 
 def test_a_layout_the_kernel_was_not_built_for_is_a_clear_error():

@@ -4,7 +4,8 @@ The CPU kernels are C++ sources in this package (`<name>.cc`, sharing `cpu_commo
 first use by `register_cpu_kernel` with the machine's C++ compiler against the XLA FFI headers that
 jaxlib ships, and registered as XLA:CPU custom calls. A build takes a few seconds once: the library
 is cached under ~/.cache/jinfer (or $JINFER_CACHE_DIR), keyed by the sources, jaxlib's version, the
-compiler and this CPU's instruction set (it is built for this CPU, -march=native). A kernel that
+compiler, this CPU's instruction set (it is built for this CPU, -march=native) and any extra flags
+in $JINFER_KERNEL_CXXFLAGS (e.g. `-mno-avx512f` for the kernels' 8-lane build). A kernel that
 cannot be built is a warning saying why; its module's `available()` is then False and the engine
 uses XLA's own ops instead.
 """
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -60,7 +62,16 @@ def _build(name: str) -> Path:
         raise OSError("no C++ compiler found (set CXX, or install g++)")
     source = SOURCES / f"{name}.cc"
     texts = [path.read_bytes() for path in (source, *sorted(SOURCES.glob("*.h")))]
-    identity = b"\0".join([*texts, jaxlib.__version__.encode(), compiler.encode(), _cpu_signature().encode()])
+    extra_flags = shlex.split(os.environ.get("JINFER_KERNEL_CXXFLAGS", ""))
+    identity = b"\0".join(
+        [
+            *texts,
+            jaxlib.__version__.encode(),
+            compiler.encode(),
+            _cpu_signature().encode(),
+            *map(str.encode, extra_flags),
+        ]
+    )
     key = hashlib.sha256(identity).hexdigest()[:16]
     default_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jinfer"
     cache_dir = Path(os.environ.get("JINFER_CACHE_DIR", default_cache))
@@ -71,7 +82,7 @@ def _build(name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
         built = Path(scratch) / library.name
         command = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
-        command += [f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
+        command += [*extra_flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
         os.replace(built, library)  # atomic: a process building the same key at once lands the same file
     log.info("built %s", library)
