@@ -15,7 +15,7 @@ Measured side by side in one run (the machines are shared and noisy, so only rat
     jinfer's; time to load each;
   * the same for a random-weight Llama-shaped model of ~0.9 GB (jinfer and transformers);
   * jinfer runs with packed weights as the CPU presets do (`packed_weights`: decode products of up
-    to 8 columns through its C++ kernel); its compiled decode with them against an engine of the
+    to 16 columns through its C++ kernel); its compiled decode with them against an engine of the
     same settings on XLA's products alone, alternating, at --packed-slots;
   * decode at a long context (SmolLM2, 1 and 8 slots at position --context): jinfer's compiled
     decode with its attention kernel against the same engine on XLA's einsums (decode_kernel=False),

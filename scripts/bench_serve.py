@@ -10,15 +10,15 @@ throughput at concurrency 8. Clients are the official `openai` package with `ign
 output length and `stream_options.include_usage` giving the token counts. Clients and server
 share this machine's cores, as any loopback benchmark does.
 
-    python scripts/bench_serve.py [--configs 4:512,1:64,1:64:4:0] [--tokens 64] [--out results]
+    python scripts/bench_serve.py [--configs 4:512,1:64,1:64:4:0,1:64:4] [--tokens 64] [--out results]
 
 Each config is decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]
 (mixed 0 and packed weights 1 when left out). The defaults compare the throughput setting (the
 `make serve` preset's 4 decode steps per dispatch, all waiting prompts prefilled at once, packed
 weights), a latency setting (one step per dispatch, at most 64 prompt tokens between two decode
-steps) and mixed prefill as `configs/smollm2-latency.toml` sets it (while others stream, prompts
-ride along the decode steps 4+ tokens at a time, filling the step's 8-column tiles; XLA's
-products, whose cost follows those tiles).
+steps), mixed prefill on XLA's products (while others stream, prompts ride along the decode steps
+4+ tokens at a time, filling the step's 8-column tiles) and mixed prefill with packed weights, as
+`configs/smollm2-latency.toml` sets it.
 
 Writes results/bench_serve.{json,md,png}.
 """
@@ -186,7 +186,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--configs",
-        default="4:512,1:64,1:64:4:0",
+        default="4:512,1:64,1:64:4:0,1:64:4",
         help="decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]",
     )
     parser.add_argument("--concurrency", default="1,2,4,8,16")

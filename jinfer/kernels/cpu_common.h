@@ -19,8 +19,10 @@ typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 
 inline f8 Splat(float x) { return f8{} + x; }
-inline f8 Load(const float* p) {
-  f8 v;
+// An unaligned load of a vector of floats (8 lanes unless V says otherwise).
+template <typename V = f8>
+inline V Load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }

@@ -14,7 +14,6 @@
 // the zero padding's products).
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 
 #include "cpu_common.h"
@@ -40,12 +39,6 @@ constexpr int64_t kBlocksPerTask = 64 / kRows;  // 64 rows: small enough to bala
 // L2 (not L1, whose fill buffers are the limit) far enough ahead keeps memory busy meanwhile.
 constexpr int64_t kPrefetchAhead = 256;
 
-inline Rows LoadRows(const float* p) {
-  Rows v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // Rows [R b, R b + R) x columns [c0, c0 + n). Fewer columns leave FMA units idle, so the k loop
 // is unrolled U ways with separate sums to keep as many multiplies in flight.
 template <int n>
@@ -59,13 +52,13 @@ inline void Tile(const float* packed, const float* x, float* y, int64_t K, int64
   for (; k + U <= K; k += U) {
     for (int u = 0; u < U; ++u) {
       __builtin_prefetch(w + (k + u + kPrefetchAhead) * kRows, 0, 1);  // toward L2
-      const Rows wv = LoadRows(w + (k + u) * kRows);
+      const Rows wv = jinfer::Load<Rows>(w + (k + u) * kRows);
       const float* xk = xc + (k + u) * N;
       for (int c = 0; c < n; ++c) acc[u][c] += wv * xk[c];
     }
   }
   for (; k < K; ++k) {
-    const Rows wv = LoadRows(w + k * kRows);
+    const Rows wv = jinfer::Load<Rows>(w + k * kRows);
     for (int c = 0; c < n; ++c) acc[0][c] += wv * xc[k * N + c];
   }
   for (int c = 0; c < n; ++c) {
