@@ -15,7 +15,7 @@ Measured side by side in one run (the machines are shared and noisy, so only rat
     jinfer's; time to load each;
   * the same for a random-weight Llama-shaped model of ~0.9 GB (jinfer and transformers);
   * jinfer runs with packed weights as the CPU presets do (`packed_weights`: decode products of up
-    to 16 columns through its C++ kernel); its compiled decode with them against an engine of the
+    to 32 columns through its C++ kernel); its compiled decode with them against an engine of the
     same settings on XLA's products alone, alternating, at --packed-slots;
   * decode at a long context (SmolLM2, 1 and 8 slots at position --context): jinfer's compiled
     decode with its attention kernel against the same engine on XLA's einsums (decode_kernel=False),
@@ -386,7 +386,7 @@ def main() -> int:
         "--context", type=int, default=1024, help="position of the long-context rows (0: none)"
     )
     parser.add_argument(
-        "--packed-slots", default="1,2,4,8,16", help="slot counts for packed weights vs XLA ('': none)"
+        "--packed-slots", default="1,2,4,8,16,32", help="slot counts for packed weights vs XLA ('': none)"
     )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()

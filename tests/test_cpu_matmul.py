@@ -15,7 +15,7 @@ from jinfer.kernels import cpu_matmul
 # Rows not a multiple of the block (zero padding cut off), odd widths, every column tile remainder,
 # and more columns than the engine sends (two tiles and a remainder).
 CASES = [(64, 64, 1), (61, 37, 2), (128, 96, 3), (200, 64, 4), (8, 5, 5), (1000, 129, 7), (64, 64, 8)]
-CASES += [(77, 50, 16), (77, 50, 19)]
+CASES += [(200, 70, 12), (33, 40, 13), (77, 50, 16), (77, 50, 19)]
 
 
 def _assert_packed_product_matches(rows, width, columns):

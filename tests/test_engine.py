@@ -398,12 +398,13 @@ def test_no_decode_dispatch_computes_only_tokens_past_max_tokens(llm, monkeypatc
 
 @pytest.mark.parametrize("family", ["llama_gqa_untied", "qwen2_bias_tied", "qwen3_qknorm"])
 def test_packed_weights_decode_the_same_tokens_and_logprobs(tiny_model, family, monkeypatch):
-    """With packed_weights the decode products of up to 8 columns go through the CPU matmul kernel
-    (prompts and wider mixed steps through XLA's dot on the same matrices): greedy tokens are the
-    same and their log-probs agree to float32 rounding, with an untied output projection or a tied
-    embedding, q/k/v biases and q/k norms; `LLM.params` is the model's own weights either way."""
-    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
-    options["mixed_prefill_tokens"] = 8  # 4 slots + a carried chunk: 12 columns take XLA's dot
+    """With packed_weights products of up to `MAX_COLUMNS` columns go through the CPU matmul kernel
+    (decode and mixed steps, 16-token prompt chunks; 64-token chunks through XLA's dot on the same
+    matrices): greedy tokens are the same and their log-probs agree to float32 rounding, with an
+    untied output projection or a tied embedding, q/k/v biases and q/k norms; `LLM.params` is the
+    model's own weights either way."""
+    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 64), "decode_steps": 2}
+    options["mixed_prefill_tokens"] = 8  # 4 slots + a carried chunk: 12 columns
     prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]
     samplings = [jinfer.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)] * 6
     from jinfer.kernels import cpu_matmul

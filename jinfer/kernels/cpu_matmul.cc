@@ -23,15 +23,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Blocks multiplied at once (see Tile): their sums for 8 columns must fit in the vector registers,
-// 32 with AVX-512, 16 with AVX2.
+// A tile's running sums live in vector registers: 24 of AVX-512's 32, 8 of AVX2's 16 (the rest
+// hold weights and x).
 #ifdef __AVX512F__
 constexpr int kRows = 16;
-constexpr int kBlocksAtOnce = 2;
+constexpr int kSumRegisters = 24;
 #else
 constexpr int kRows = 8;
-constexpr int kBlocksAtOnce = 1;
+constexpr int kSumRegisters = 8;
 #endif
+constexpr int kWidestTile = 16;  // columns
 typedef float Rows __attribute__((vector_size(kRows * sizeof(float))));
 
 constexpr int64_t kBlocksPerTask = 64 / kRows;  // 64 rows: small enough to balance, big enough to stream
@@ -43,26 +44,31 @@ constexpr int64_t kBlocksPerTask = 64 / kRows;  // 64 rows: small enough to bala
 // L2 (not L1, whose fill buffers are the limit) far enough ahead keeps memory busy meanwhile.
 constexpr int64_t kPrefetchAhead = 256;
 
-// Blocks [b, b + B) x columns [c0, c0 + n). Each x[k, c] loaded is multiplied into B blocks' rows:
-// with one block the loads of x (one per column and k) outnumber its multiplies and the load ports
-// set the pace once the weights come from cache, as a step's second tile of 8 columns does (SmolLM2's
-// products at 16 columns: 30-32 ms with two blocks, 35-39 with one; level at 1 and 8). Fewer columns
-// leave FMA units idle, so the k loop is also unrolled U ways with separate sums to keep as many
-// multiplies in flight.
+// Blocks [b, b + B) x columns [c0, c0 + n), in one pass over their weights. Each x[k, c] loaded
+// is multiplied into B blocks' rows: with one block the loads of x (one per column and k)
+// outnumber its multiplies, and the load ports set the pace once the weights come from cache.
+// Fewer sums than FMA units x FMA latency (2 x 4) leave the units idle, so for few columns the k
+// loop is also unrolled U ways with separate sums.
 template <int n, int B>
 inline void Tile(const float* packed, const float* x, float* y, int64_t K, int64_t N, int64_t b,
                  int64_t c0) {
-  constexpr int U = n >= 8 ? 1 : (n >= 4 ? 2 : (n >= 2 ? 4 : 8));
+  static_assert(B * n <= kSumRegisters);
+  constexpr int U = std::max(1, std::min((8 + B * n - 1) / (B * n), kSumRegisters / (B * n)));
   Rows acc[U][B][n] = {};
   const float* w = packed + b * K * kRows;
   const float* xc = x + c0;
-  // Input index k into the u-th set of sums.
+  // Input index k into the u-th set of sums. Each x[k, c] is used by every block as soon as it is
+  // loaded: holding all n at once took n more registers (GCC spilled sums at 12 columns).
   auto step = [&](int64_t k, int u) {
+    Rows wv[B];
     for (int i = 0; i < B; ++i) {
       const float* wk = w + (i * K + k) * kRows;
       __builtin_prefetch(wk + kPrefetchAhead * kRows, 0, 1);  // toward L2
-      const Rows wv = jinfer::Load<Rows>(wk);
-      for (int c = 0; c < n; ++c) acc[u][i][c] += wv * xc[k * N + c];
+      wv[i] = jinfer::Load<Rows>(wk);
+    }
+    for (int c = 0; c < n; ++c) {
+      const float xkc = xc[k * N + c];
+      for (int i = 0; i < B; ++i) acc[u][i][c] += wv[i] * xkc;
     }
   };
   int64_t k = 0;
@@ -77,20 +83,28 @@ inline void Tile(const float* packed, const float* x, float* y, int64_t K, int64
     }
 }
 
-// Blocks [b, b + B) against every column, 8 columns at a time.
+// Columns one pass multiplies into B blocks: with AVX-512 12 for two blocks, 16 for one.
+template <int B>
+constexpr int kPassColumns = std::min(kWidestTile, kSumRegisters / B);
+
+// Tile<n, B> for n = columns, 1 <= columns <= n.
+template <int B, int n = kPassColumns<B>>
+void TileOf(int64_t columns, const float* packed, const float* x, float* y, int64_t K, int64_t N,
+            int64_t b, int64_t c0) {
+  if constexpr (n > 1)
+    if (columns < n) return TileOf<B, n - 1>(columns, packed, x, y, K, N, b, c0);
+  Tile<n, B>(packed, x, y, K, N, b, c0);
+}
+
+// Blocks [b, b + B) against every column, kPassColumns<B> at a time. Columns taken in one pass
+// stream the weights from memory once; a second pass reads them again from cache at the pace of
+// its loads. SmolLM2's products in one pass against two of 8 columns, alternating runs: 12 columns
+// 24-29 ms against 31-32, 16 columns 30-33 against 35-40; its decode step at 16 slots 45-50 ms
+// against 52-59, level at 8.
 template <int B>
 void Blocks(const float* packed, const float* x, float* y, int64_t K, int64_t N, int64_t b) {
-  int64_t c0 = 0;
-  for (; c0 + 8 <= N; c0 += 8) Tile<8, B>(packed, x, y, K, N, b, c0);
-  switch (N - c0) {
-    case 7: Tile<7, B>(packed, x, y, K, N, b, c0); break;
-    case 6: Tile<6, B>(packed, x, y, K, N, b, c0); break;
-    case 5: Tile<5, B>(packed, x, y, K, N, b, c0); break;
-    case 4: Tile<4, B>(packed, x, y, K, N, b, c0); break;
-    case 3: Tile<3, B>(packed, x, y, K, N, b, c0); break;
-    case 2: Tile<2, B>(packed, x, y, K, N, b, c0); break;
-    case 1: Tile<1, B>(packed, x, y, K, N, b, c0); break;
-  }
+  for (int64_t c0 = 0; c0 < N; c0 += kPassColumns<B>)
+    TileOf<B>(std::min<int64_t>(kPassColumns<B>, N - c0), packed, x, y, K, N, b, c0);
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffer<ffi::F32> x,
@@ -109,8 +123,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffe
   jinfer::RunTasks(pool, jinfer::PoolCores(pool), tasks, [=](int64_t task) {
     const int64_t end = std::min(blocks, (task + 1) * kBlocksPerTask);
     int64_t b = task * kBlocksPerTask;
-    for (; b + kBlocksAtOnce <= end; b += kBlocksAtOnce) Blocks<kBlocksAtOnce>(w, columns, out, K, N, b);
-    if (b < end) Blocks<1>(w, columns, out, K, N, b);
+    if (N <= kPassColumns<2>)  // every column in one pass of two blocks: take blocks in pairs
+      for (; b + 2 <= end; b += 2) Blocks<2>(w, columns, out, K, N, b);
+    for (; b < end; ++b) Blocks<1>(w, columns, out, K, N, b);
   });
   return ffi::Error::Success();
 }

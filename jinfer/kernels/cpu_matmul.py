@@ -25,10 +25,10 @@ from jinfer.kernels import register_cpu_kernel
 log = logging.getLogger(__name__)
 
 TARGET = "jinfer_cpu_matmul"
-# The kernel's products beat XLA's up to two tiles of columns: SmolLM2's decode step, in
-# alternating runs, at 8 slots 30-32 against 47-53 ms, 16 slots 53-56 against 59-62 ms, level at 1
-# slot; beyond, XLA's GEMM (prompts) is the faster.
-MAX_COLUMNS = 2 * COLUMN_TILE
+# The kernel's products beat XLA's up to 32 columns: SmolLM2's decode step, in alternating runs,
+# at 8 slots 29-35 against 41-48 ms, 16 slots 44-47 against 55-73, 32 slots 91 against 102-114,
+# level at 1 slot; for prompts' hundreds of columns XLA's GEMM is the faster.
+MAX_COLUMNS = 4 * COLUMN_TILE
 
 
 @functools.cache
