@@ -345,9 +345,10 @@ class EngineConfig:
     # machine's C++ compiler on first use). False: XLA's einsums over the attention bucket.
     decode_kernel: bool = True
     # On a CPU (float32, one device) keep a second copy of each weight matrix packed for jinfer's
-    # few-column matmul kernel (`jinfer.kernels.cpu_matmul`), which decode steps of up to 16
-    # columns multiply with: SmolLM2's decode step ~1.3x faster at 2-4 slots, ~1.6x at 8, ~1.1x at
-    # 16 (level at 1), at the cost of the weights' memory again.
+    # few-column matmul kernel (`jinfer.kernels.cpu_matmul`), which products of up to 32 columns
+    # (decode steps, short prompt chunks) multiply with: SmolLM2's decode step ~1.3x faster at 2-4
+    # slots, ~1.4x at 8, ~1.25x at 16, ~1.15x at 32 (level at 1), at the cost of the weights'
+    # memory again.
     packed_weights: bool = False
     mesh_data: int = 1  # devices along the data axis (slots are split over it)
     mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)
@@ -408,10 +409,15 @@ class EngineConfig:
         """Prompt tokens carried by a decode dispatch for `busy` = the highest busy slot + 1 (0 when
         mixing is off); the dispatch decodes rows = slot_bucket(busy).
 
-        At least `mixed_prefill_tokens`, rounded up so the step's rows + chunk columns fill whole
-        COLUMN_TILEs (with 8: a 1-slot step carries 15 tokens for the price of 9).
+        At least `mixed_prefill_tokens`, more where the step's extra columns come free. XLA's
+        products cost whole COLUMN_TILEs, so rows + chunk are rounded up to fill them (a 1-slot step
+        carries 7 tokens for the price of 5). The packed-weight kernel's first 8 columns wait on the
+        weights' bytes, each column past them on its multiplies, so the chunk only fills the first
+        tile (8 slots: 4 tokens, 12 columns, where 16 cost 1.5x a plain step).
         """
         if not self.mixed_prefill_tokens:
             return 0
         rows = self.slot_bucket(busy)
+        if self.packed_weights:
+            return max(self.mixed_prefill_tokens, COLUMN_TILE - rows)
         return -(-(rows + self.mixed_prefill_tokens) // COLUMN_TILE) * COLUMN_TILE - rows
