@@ -32,6 +32,8 @@ Writes results/bench_decode.{json,md,png}. llama.cpp: `pip install llama-cpp-pyt
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import os
 import sys
 import time
@@ -104,25 +106,58 @@ def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) ->
 
 
 class LlamaCpp:
-    """llama.cpp through llama-cpp-python: batch-1 greedy decode tokens/s on one GGUF."""
+    """llama.cpp through llama-cpp-python, in a process of its own: batch-1 greedy decode tokens/s
+    on one GGUF. A crash there (a build for another CPU dies with SIGILL) ends this peer's figures,
+    not the benchmark: `decode` returns None from then on and `failure` says why."""
 
     def __init__(self, path: str, context: int = 512):
-        from llama_cpp import Llama
+        spawn = multiprocessing.get_context("spawn")  # no fork of a process running XLA's threads
+        self._conn, child_end = spawn.Pipe()
+        self._process = spawn.Process(target=_llama_cpp_worker, args=(child_end, path, context), daemon=True)
+        self._process.start()
+        child_end.close()
+        self.failure: str | None = None
+        self.load_s = self._receive()
 
-        start = time.perf_counter()
-        self.model = Llama(model_path=path, n_ctx=context, n_threads=os.cpu_count(), verbose=False)
-        self.load_s = time.perf_counter() - start
-        self.model(PROMPT, max_tokens=4)
+    def decode(self, tokens: int, prompt: str | list[int] = PROMPT) -> float | None:
+        if self.failure:
+            return None
+        with contextlib.suppress(OSError):  # the worker is gone: _receive says how it ended
+            self._conn.send((tokens, prompt))
+        return self._receive()
 
-    def decode(self, tokens: int, prompt: str | list[int] = PROMPT) -> float:
-        self.model(prompt, max_tokens=1, temperature=0)
+    def _receive(self) -> float | None:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join()
+            self.failure = f"llama.cpp's process ended (exit code {self._process.exitcode})"
+            progress(f"{self.failure}: its figures are left out")
+            return None
+
+
+def _llama_cpp_worker(conn, path: str, context: int) -> None:
+    """Load the GGUF, send the load time, then answer (tokens, prompt) with decode tokens/s."""
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    model = Llama(model_path=path, n_ctx=context, n_threads=os.cpu_count(), verbose=False)
+    load_s = time.perf_counter() - start
+    model(PROMPT, max_tokens=4)
+    conn.send(load_s)
+    no_eos = {model.token_eos(): -1e9}  # a fixed output length, like ignore_eos
+    while True:
+        try:
+            tokens, prompt = conn.recv()
+        except EOFError:
+            return
+        model(prompt, max_tokens=1, temperature=0)
         start = time.perf_counter()
-        self.model(prompt, max_tokens=1, temperature=0)
+        model(prompt, max_tokens=1, temperature=0)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        no_eos = {self.model.token_eos(): -1e9}  # a fixed output length, like ignore_eos
-        out = self.model(prompt, max_tokens=tokens, temperature=0, logit_bias=no_eos)
-        return (out["usage"]["completion_tokens"] - 1) / (time.perf_counter() - start - prefill)
+        out = model(prompt, max_tokens=tokens, temperature=0, logit_bias=no_eos)
+        conn.send((out["usage"]["completion_tokens"] - 1) / (time.perf_counter() - start - prefill))
 
 
 def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceiling) -> dict:
@@ -160,7 +195,7 @@ def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceilin
                 peer = max(peer, transformers_decode(hf, input_ids, slots, args.tokens))
             if slots == 1:
                 for name, cpp in peers_cpp.items():
-                    peer_cpp[name] = max(peer_cpp[name], cpp.decode(args.tokens))
+                    peer_cpp[name] = max(peer_cpp[name], cpp.decode(args.tokens) or 0.0)
         needed, read = bytes_per_step(llm, slots, input_ids.shape[1], args.tokens)
         row = {
             "slots": slots,
@@ -175,8 +210,9 @@ def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceilin
         }
         if slots == 1:
             for name, rate in peer_cpp.items():
-                row[f"{name}_tokens_per_s"] = rate
-                row[f"vs_{name}"] = best["tokens_per_s"] / rate
+                if rate:
+                    row[f"{name}_tokens_per_s"] = rate
+                    row[f"vs_{name}"] = best["tokens_per_s"] / rate
             ids = (llm.tokenizer.encode(PROMPT * 64))[:PREFILL_TOKENS]
             seconds, compiles = jinfer_prefill_s(llm, ids)
             flops = prefill_flops(llm.engine.steps.model, llm.engine.params, len(ids))
@@ -189,11 +225,19 @@ def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceilin
             }
         rows.append(row)
         del llm
-    loads |= {f"{name}_s": cpp.load_s for name, cpp in peers_cpp.items()}
+    loads |= {f"{name}_s": cpp.load_s for name, cpp in peers_cpp.items() if cpp.load_s is not None}
+    failures = {name: cpp.failure for name, cpp in peers_cpp.items() if cpp.failure}
     weights = sum(
         os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir) if f.endswith(".safetensors")
     )
-    return {"model": label, "weights_bytes": weights, "decode": rows, "prefill": prefill, "load": loads}
+    return {
+        "model": label,
+        "weights_bytes": weights,
+        "decode": rows,
+        "prefill": prefill,
+        "load": loads,
+        "peer_failures": failures,
+    }
 
 
 def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool) -> dict[str, float]:
@@ -286,8 +330,9 @@ def bench_long_context(jinfer_path, hf_dir, cpp_path, args, ceiling) -> list[dic
         }
         if cpp and slots == 1:
             progress("long context: llama.cpp, batch 1")
-            row["llama_cpp_f32_tokens_per_s"] = cpp.decode(args.tokens, prompt)
-            row["vs_llama_cpp_f32"] = row["jinfer_tokens_per_s"] / row["llama_cpp_f32_tokens_per_s"]
+            if rate := cpp.decode(args.tokens, prompt):
+                row["llama_cpp_f32_tokens_per_s"] = rate
+                row["vs_llama_cpp_f32"] = row["jinfer_tokens_per_s"] / rate
         rows.append(row)
     return rows
 
@@ -325,6 +370,8 @@ def report(result: dict) -> str:
                     f"\n{name}: {first[f'{name}_tokens_per_s']:.1f} tok/s at batch 1; jinfer / it = "
                     f"{first[f'vs_{name}']:.2f}"
                 )
+        for name, failure in model.get("peer_failures", {}).items():
+            parts.append(f"\n{name}: no figures ({failure}).")
         p = model["prefill"]
         parts.append(
             f"\nPrefill of {p['tokens']} tokens: {p['seconds'] * 1e3:.0f} ms "
