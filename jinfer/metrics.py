@@ -10,12 +10,13 @@ registry, so several servers (or tests) in one process do not collide.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from jinfer.engine import DispatchCounts
+if TYPE_CHECKING:  # the engine is the server's to import; metrics only reads its counters
+    from jinfer.engine import DispatchCounts
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
