@@ -141,7 +141,7 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
     top-k, top-p and min-p. The full-vocabulary sort that truncation needs, and the draw itself,
     run only when some row asks for them (`lax.cond`), so an all-greedy batch pays for neither.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def draw():
         scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
@@ -152,6 +152,17 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
         return jnp.where(s.temperature > 0, sampled, greedy)
 
     return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda: greedy)
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """`jnp.argmax` over the last axis as int32 (the first index of the maximum; a NaN counts as
+    the maximum), computed as a max and then a min over the indices that hit it: XLA:CPU runs
+    argmax's paired (value, index) reduction about half as fast (8 x 49152 logits: 853 against
+    431 us)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN if the row has one
+    hit = (logits == top) | jnp.isnan(logits)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
 
 
 def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:

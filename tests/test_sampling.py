@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, token_logprobs
+from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, argmax, token_logprobs
 from jinfer.sampling import sample as _sample
 
 sample = jax.jit(_sample)
@@ -24,6 +24,20 @@ def _draws(knobs, n=400, logits=LOGITS):
 
 def test_greedy_is_argmax():
     assert set(_draws({"temperature": 0.0}, n=20)) == {4}
+
+
+def test_greedy_argmax_picks_what_jnp_argmax_picks_on_ties_nan_and_infinities():
+    rows = np.random.default_rng(1).standard_normal((7, 50)).astype(np.float32)
+    rows[1, [9, 3]] = 10.0  # a tie: the first index
+    rows[2, [7, 5]] = [100.0, np.nan]  # a NaN counts as the maximum
+    rows[3, [20, 8]] = np.inf
+    rows[4] = -np.inf  # nothing but -inf: index 0
+    rows[5, [49, 0]] = np.nan
+    rows[6, 30] = -np.inf
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(rows)))
+    assert got.dtype == np.int32
+    assert got.tolist() == [int(np.argmax(rows[0])), 3, 5, 8, 0, 0, int(np.argmax(rows[6]))]
+    assert got.tolist() == np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1)).tolist()
 
 
 def test_temperature_sampling_follows_softmax():
