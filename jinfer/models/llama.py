@@ -22,8 +22,9 @@ Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode
   * Inside the decoder, activations are feature-major columns x[D, N] (N = B * T tokens):
     XLA:CPU multiplies W @ x ~1.6x faster than x @ W^T when N is a handful of decode slots.
   * On a CPU the engine may keep each matrix as a `PackedWeight` (`pack_weights`): the matrix plus
-    a copy packed for jinfer's few-column kernel, which decode products of up to 32 columns use
-    (XLA:CPU's GEMM runs 2-16 columns below the bandwidth); prompts keep XLA's dot.
+    a copy packed for jinfer's few-column kernel, which products of up to 32 columns use (decode
+    steps, short prompt chunks; XLA:CPU's GEMM runs 2-16 columns below the bandwidth); longer
+    prompt chunks keep XLA's dot.
   * `jax.named_scope`s (qkv_proj, kv_write, attention, out_proj, mlp, logits) label the compiled
     ops so a profile can be read per part of the model.
 
