@@ -411,9 +411,10 @@ class EngineConfig:
 
         At least `mixed_prefill_tokens`, more where the step's extra columns come free. XLA's
         products cost whole COLUMN_TILEs, so rows + chunk are rounded up to fill them (a 1-slot step
-        carries 7 tokens for the price of 5). The packed-weight kernel's first 8 columns wait on the
-        weights' bytes, each column past them on its multiplies, so the chunk only fills the first
-        tile (8 slots: 4 tokens, 12 columns, where 16 cost 1.5x a plain step).
+        carries 7 tokens for the price of 5). With packed weights (as the engine resolves them: only
+        where the kernel runs) the kernel's first 8 columns wait on the weights' bytes, each column
+        past them on its multiplies, so the chunk only fills the first tile (8 slots: 4 tokens, 12
+        columns, where 16 cost 1.5x a plain step).
         """
         if not self.mixed_prefill_tokens:
             return 0

@@ -99,16 +99,19 @@ class Engine:
         config = config or EngineConfig()
         if config.max_seq_len > loaded.config.max_position_embeddings:
             config = dataclasses.replace(config, max_seq_len=loaded.config.max_position_embeddings)
+        self.mesh = make_mesh(config.mesh_data, config.mesh_model)
+        # Packed weights only where the kernel runs (see packs_weights); from here on the config says
+        # which products run, and the mixed chunk sizes (config.mixed_chunk_len) follow them.
+        config = dataclasses.replace(config, packed_weights=packs_weights(config, self.mesh))
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = _DTYPES[config.dtype]
-        self.mesh = make_mesh(config.mesh_data, config.mesh_model)
         padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
         shardings = param_shardings(padded_cfg, self.mesh)
         self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
-        if packs_weights(config, self.mesh):  # one device: the packed copies' own placement will do
+        if config.packed_weights:  # one device: the packed copies' own placement will do
             self.params = llama.pack_weights(self.params)
             shardings = jax.tree.map(lambda a: a.sharding, self.params)
             log.info("weights packed for the CPU matmul kernel (a second copy of each matrix)")

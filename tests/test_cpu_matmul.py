@@ -12,8 +12,8 @@ import pytest
 
 from jinfer.kernels import cpu_matmul
 
-# Rows not a multiple of the block (zero padding cut off), odd widths, every column tile remainder,
-# and more columns than the engine sends (two tiles and a remainder).
+# Rows not a multiple of the block (zero padding cut off), odd widths, every column count of one
+# pass (1-16, with two blocks up to 12), and two passes (19).
 CASES = [(64, 64, 1), (61, 37, 2), (128, 96, 3), (200, 64, 4), (8, 5, 5), (1000, 129, 7), (64, 64, 8)]
 CASES += [(200, 70, 12), (33, 40, 13), (77, 50, 16), (77, 50, 19)]
 
@@ -69,7 +69,8 @@ def test_a_layout_the_kernel_was_not_built_for_is_a_clear_error():
 
 def test_a_matmul_kernel_that_cannot_be_built_leaves_xla_products(tmp_path, monkeypatch, caplog, tiny_model):
     """A failing build is a warning that says why: an engine asked for packed weights keeps its
-    plain weights and multiplies with XLA's dot."""
+    plain weights and multiplies with XLA's dot, and its config says so (mixed chunks are then
+    sized for XLA's products)."""
     import logging
 
     import jinfer
@@ -84,5 +85,6 @@ def test_a_matmul_kernel_that_cannot_be_built_leaves_xla_products(tmp_path, monk
     monkeypatch.setattr(cpu_matmul, "available", lambda: False)
     llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=128, packed_weights=True)
     assert not any(isinstance(w, llama.PackedWeight) for w in vars(llm.engine.params.layers[0]).values())
+    assert llm.engine.config.packed_weights is False
     out = llm.generate(["hello"], jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4

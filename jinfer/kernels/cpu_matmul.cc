@@ -33,6 +33,7 @@ constexpr int kRows = 8;
 constexpr int kSumRegisters = 8;
 #endif
 constexpr int kWidestTile = 16;  // columns
+constexpr int kSumsInFlight = 8;  // independent sums that keep the FMA units busy: 2 units x 4 cycles
 typedef float Rows __attribute__((vector_size(kRows * sizeof(float))));
 
 constexpr int64_t kBlocksPerTask = 64 / kRows;  // 64 rows: small enough to balance, big enough to stream
@@ -47,13 +48,14 @@ constexpr int64_t kPrefetchAhead = 256;
 // Blocks [b, b + B) x columns [c0, c0 + n), in one pass over their weights. Each x[k, c] loaded
 // is multiplied into B blocks' rows: with one block the loads of x (one per column and k)
 // outnumber its multiplies, and the load ports set the pace once the weights come from cache.
-// Fewer sums than FMA units x FMA latency (2 x 4) leave the units idle, so for few columns the k
-// loop is also unrolled U ways with separate sums.
+// Fewer than kSumsInFlight sums leave the FMA units idle, so for few columns the k loop is also
+// unrolled U ways with separate sums.
 template <int n, int B>
 inline void Tile(const float* packed, const float* x, float* y, int64_t K, int64_t N, int64_t b,
                  int64_t c0) {
   static_assert(B * n <= kSumRegisters);
-  constexpr int U = std::max(1, std::min((8 + B * n - 1) / (B * n), kSumRegisters / (B * n)));
+  constexpr int U =
+      std::max(1, std::min((kSumsInFlight + B * n - 1) / (B * n), kSumRegisters / (B * n)));
   Rows acc[U][B][n] = {};
   const float* w = packed + b * K * kRows;
   const float* xc = x + c0;
