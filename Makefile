@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 serve: setup
-	$(VENV)/bin/jinfer serve --config configs/smollm2.toml --port $(PORT)
+	$(VENV)/bin/jinfer serve --port $(PORT)
 
 generate: setup
 	$(VENV)/bin/jinfer generate --chat --prompt "$(PROMPT)"

@@ -5,7 +5,8 @@ optional "sampling" object of SamplingParams fields overriding the job's default
 {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error"?}, written and flushed
 as each request finishes (in completion order). Ids already present in the output are skipped, so
 a job killed half-way resumes where it stopped; a torn last line from the kill is discarded first.
-A bad input line becomes an error record for its id and never stops the others.
+A bad input line (not JSON, no id, a bad field) becomes an error record for its id (or its line
+number, `"line"`, when it has none) and never stops the others.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ import sys
 import time
 from typing import Any, TextIO
 
-from jinfer.context import fit_conversation
 from jinfer.llm import LLM, Completion
-from jinfer.sampling import SamplingParams
+from jinfer.prepare import PreparedRequest
+from jinfer.sampling import RequestError, SamplingParams
+from jinfer.tokenizer import TokenizerError
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def completed_ids(output_path: str) -> set[Any]:
-    """Ids already written; truncates a torn (newline-less) last line left by a killed run."""
+    """Keys already written (`_key`); truncates a torn (newline-less) last line left by a killed run."""
     if not os.path.exists(output_path):
         return set()
     with open(output_path, "rb+") as f:
@@ -31,30 +35,40 @@ def completed_ids(output_path: str) -> set[Any]:
         end = data.rfind(b"\n") + 1
         if end != len(data):
             f.truncate(end)
-    ids = set()
+    keys = set()
     for line in data[:end].splitlines():
         if line.strip():
-            ids.add(json.loads(line)["id"])
-    return ids
+            record = json.loads(line)
+            keys.add(_key(record.get("id"), record.get("line")))
+    return keys
+
+
+def _key(item_id, line: int | None):
+    """What identifies an input line in the output: its id, or its line number when it has none."""
+    return ("line", line) if item_id is None else ("id", json.dumps(item_id, sort_keys=True))
 
 
 class _Progress:
+    """One status line: results written, tokens, and the rate since the job's first result (so the
+    rate is the engine's, not its compiles')."""
+
     def __init__(self, total: int, stream: TextIO):
         self.total, self.stream, self.done, self.tokens = total, stream, 0, 0
-        self.start = self.last_print = time.perf_counter()
+        self.first: float | None = None
+        self.last_print = 0.0
 
     def update(self, tokens: int) -> None:
         self.done += 1
-        self.tokens += tokens
         now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.tokens += tokens
         if now - self.last_print >= 0.5 or self.done == self.total:
             self.last_print = now
-            rate = self.tokens / max(now - self.start, 1e-9)
+            rate = f"{self.tokens / (now - self.first):.1f} tokens/s" if now > self.first else "- tokens/s"
             percent = 100 * self.done / max(self.total, 1)
-            line = (
-                f"\r[{self.done}/{self.total}] {percent:3.0f}% | {self.tokens} tokens | {rate:.1f} tokens/s"
-            )
-            self.stream.write(line)
+            self.stream.write(f"\r[{self.done}/{self.total}] {percent:3.0f}% | {self.tokens} tokens | {rate}")
             self.stream.flush()
 
     def close(self) -> None:
@@ -74,15 +88,34 @@ def _record(item_id, completion: Completion) -> dict[str, Any]:
     return record
 
 
-def _error_record(item_id, message: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "text": "",
-        "finish_reason": "error",
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "error": message,
-    }
+def _error_record(item_id, line: int, message: str) -> dict[str, Any]:
+    record = {"id": item_id, "text": "", "finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0}
+    if item_id is None:
+        record["line"] = line
+    record["error"] = message
+    return record
+
+
+def _prepare_line(llm: LLM, entry: Any, defaults: SamplingParams, policy: str | None) -> PreparedRequest:
+    """One input line through the request-preparation path (RequestError when it is bad)."""
+    if not isinstance(entry, dict):
+        raise RequestError("each line must be a JSON object with an 'id'")
+    if "id" not in entry:
+        raise RequestError("the line has no 'id'", "id")
+    overrides = entry.get("sampling", {})
+    if not isinstance(overrides, dict):
+        raise RequestError("'sampling' must be an object of SamplingParams fields", "sampling")
+    unknown = sorted(set(overrides) - SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown sampling fields {unknown}", "sampling")
+    given = {k: v for k, v in dataclasses.asdict(defaults).items() if v is not None}
+    sampling = SamplingParams(**{**given, **overrides})
+    if ("messages" in entry) == ("prompt" in entry):
+        raise RequestError("give either 'prompt' or 'messages'", "prompt")
+    policy = entry.get("context_policy", policy)
+    if "messages" in entry:
+        return llm.preparer.prepare(messages=entry["messages"], sampling=sampling, context_policy=policy)
+    return llm.preparer.prepare(entry["prompt"], sampling=sampling, context_policy=policy)
 
 
 def run_jsonl(
@@ -93,9 +126,12 @@ def run_jsonl(
     context_policy: str | None = None,
     progress: TextIO | None = sys.stderr,
 ) -> int:
-    """Generate for every input line not yet in the output; return how many records were written."""
+    """Generate for every input line not yet in the output; return how many records were written.
+
+    `defaults`: the job's sampling; a line's "sampling" object overrides its fields, and knobs
+    neither sets take the model's defaults.
+    """
     done = completed_ids(output_path)
-    policy = context_policy or llm.engine.config.context_policy
     items, ids, errors = [], [], []
     with open(input_path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -103,27 +139,23 @@ def run_jsonl(
                 continue
             try:
                 entry = json.loads(line)
-                item_id = entry["id"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(
-                    f"{input_path}:{number}: each line must be a JSON object with an 'id'"
-                ) from None
-            if item_id in done:
+            except (json.JSONDecodeError, ValueError, RecursionError) as e:
+                entry, problem = None, f"line {number} is not JSON: {e}"
+            else:
+                problem = None
+            item_id = entry.get("id") if isinstance(entry, dict) else None
+            key = _key(item_id, number)
+            if key in done:
                 continue
-            done.add(item_id)
-            try:
-                sampling = SamplingParams(**{**dataclasses.asdict(defaults), **entry.get("sampling", {})})
-                if "messages" in entry:
-                    prompt_ids, _, _ = fit_conversation(
-                        llm.tokenizer, entry["messages"], sampling.max_tokens, llm.max_seq_len, policy
-                    )
-                else:
-                    prompt_ids = llm.encode_prompt(entry["prompt"])
-            except (ValueError, TypeError, KeyError) as e:
-                errors.append(_error_record(item_id, f"{type(e).__name__}: {e}"))
-                continue
-            items.append((prompt_ids, sampling))
-            ids.append(item_id)
+            done.add(key)
+            if problem is None:
+                try:
+                    items.append(_prepare_line(llm, entry, defaults, context_policy))
+                    ids.append(item_id)
+                    continue
+                except (RequestError, TokenizerError) as e:
+                    problem = str(e)
+            errors.append(_error_record(item_id, number, problem))
 
     bar = _Progress(len(items) + len(errors), progress) if progress else None
     written = 0
@@ -139,8 +171,7 @@ def run_jsonl(
 
         for record in errors:
             write(record)
-        inner_policy = "error" if policy == "drop_oldest" else policy
-        for index, completion in llm.iter_completions(items, inner_policy, invalid="report"):
+        for index, completion in llm.iter_completions(items):
             write(_record(ids[index], completion))
     if bar:
         bar.close()

@@ -1,12 +1,14 @@
 """The `jinfer` command line: serve, generate and convert.
 
-    jinfer serve [--model M] [--port 8000] [--config configs/X.toml] ...   (see serve/main.py)
+    jinfer serve [--model M] [--port 8000] [--config FILE|PRESET] ...   (see `jinfer serve --help`)
 
-    jinfer generate [--model M] [--chat] --prompt TEXT [--prompt TEXT ...] [--max-tokens N] ...
+    jinfer generate [--model M] [--chat] --prompt TEXT [--prompt TEXT ...] [sampling flags]
     jinfer generate [--model M] --input prompts.jsonl --output results.jsonl [sampling flags]
     jinfer convert SRC DST        # any supported model -> jinfer orbax checkpoint directory
 
-Errors from bad input are printed as one line on stderr with exit status 2, never a traceback.
+Sampling and engine flags are generated from `SamplingParams` and `EngineConfig`; sampling knobs
+left unset take the model's defaults, as they do on the server and in `jinfer.LLM`. Errors from
+bad input are printed as one line on stderr with exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -20,28 +22,24 @@ import time
 def _generate(args) -> int:
     import jinfer
     from jinfer.batch import run_jsonl
+    from jinfer.config import EngineConfig
+    from jinfer.options import given
 
     if bool(args.prompt) == bool(args.input):
         raise ValueError("give either --prompt (repeatable) or --input FILE.jsonl with --output FILE.jsonl")
     if args.input and not args.output:
         raise ValueError("--input needs --output")
     t0 = time.perf_counter()
-    options = {"dtype": args.dtype, "max_seq_len": args.max_seq_len, "max_slots": args.max_slots}
-    llm = jinfer.LLM(args.model, **{k: v for k, v in options.items() if v is not None})
+    llm = jinfer.LLM(args.model, **given(args, EngineConfig))
+    layout, cache_mib = llm.engine.layout, llm.engine.cache_bytes / 2**20
     name = args.model or "the embedded SmolLM2-135M-Instruct"
-    engine, cache_mib = llm.engine.config, llm.engine.cache_bytes / 2**20
     print(
         f"loaded {name} in {time.perf_counter() - t0:.1f} s; KV cache {cache_mib:.0f} MiB "
-        f"({engine.max_slots} slots x {engine.max_seq_len} positions, {engine.dtype})",
+        f"({layout.max_slots} slots x {layout.max_seq_len} positions, {layout.dtype}); {layout.describe()}",
         file=sys.stderr,
     )
-    sampling = jinfer.SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    sampling = jinfer.SamplingParams(**given(args, jinfer.SamplingParams))
+    print(f"sampling: {llm.preparer.sampling(sampling)}", file=sys.stderr)
     if args.input:
         written = run_jsonl(llm, args.input, args.output, sampling, args.context_policy)
         print(f"wrote {written} results to {args.output}", file=sys.stderr)
@@ -62,8 +60,15 @@ def _generate(args) -> int:
                 "metrics": completion.metrics,
             }
             print(json.dumps(record, ensure_ascii=False))
-        else:
-            print(completion.text if args.chat else prompt + completion.text)
+            continue
+        print(completion.text if args.chat else prompt + completion.text)
+        if completion.finish_reason == "length":
+            limit = (
+                f"max_tokens={sampling.max_tokens}"
+                if sampling.max_tokens
+                else "the end of the context window"
+            )
+            print(f"[stopped at {limit}; --max-tokens N allows more]", file=sys.stderr)
     return 0
 
 
@@ -80,6 +85,10 @@ def _convert(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jinfer.config import CONTEXT_POLICIES, EngineConfig
+    from jinfer.options import add_flags
+    from jinfer.sampling import SamplingParams
+
     parser = argparse.ArgumentParser(prog="jinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -87,24 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default=None,
-        help="HF directory, .gguf file or jinfer checkpoint (default: embedded SmolLM2)",
+        help="HF directory, .gguf file or jinfer checkpoint (default: the embedded SmolLM2)",
     )
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--input", help="JSONL: {id, prompt | messages, sampling?} per line")
     gen.add_argument("--output", help="JSONL results, appended as they finish; a rerun skips done ids")
-    gen.add_argument("--context-policy", choices=["error", "truncate", "drop_oldest"], default=None)
-    gen.add_argument("--max-slots", type=int, default=None)
     gen.add_argument(
         "--chat", action="store_true", help="treat each prompt as a user message and apply the chat template"
     )
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--max-seq-len", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON record per prompt")
+    add_flags(gen, SamplingParams, title="sampling (unset knobs: the model's defaults)")
+    add_flags(gen, EngineConfig, title="engine", skip=("context_policy",))
+    gen.add_argument(
+        "--context-policy",
+        choices=CONTEXT_POLICIES,
+        default=None,
+        help="when a prompt does not fit the window (default: error)",
+    )
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser(
@@ -122,14 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the server parses its own (many) options
-        from serve.main import main as serve_main
+        from jinfer_serve.main import main as serve_main
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
-        # CheckpointError, TokenizerError and UnsupportedModelError are ValueErrors.
+        # RequestError, CheckpointError, TokenizerError and UnsupportedModelError are ValueErrors.
         print(f"jinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
 

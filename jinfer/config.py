@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinfer.options import setting
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -310,14 +312,9 @@ def _config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs) 
 CONTEXT_POLICIES = ("error", "truncate", "drop_oldest")
 
 
-def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
-    """first, first * factor, ... while below `last`, then `last`."""
-    sizes, size = [], first
-    while size < last:
-        sizes.append(size)
-        size *= factor
-    return (*sizes, last)
-
+# Per-request entries the device state has room for (sizes of fixed arrays in each prompt chunk).
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
+MAX_STOP_IDS = 64  # stop_token_ids + eos ids
 
 # Matrix kernels work in tiles of columns: XLA:CPU multiplied 9 columns no faster than 16. Token
 # counts that the engine chooses (a mixed step's chunk, its lm_head columns) round up to this.
@@ -326,99 +323,72 @@ COLUMN_TILE = 8
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine lays out the device: slots, cache length, buckets, steps per dispatch, mesh."""
+    """How the engine is asked to lay out the device (each field is a `jinfer serve` / `jinfer
+    generate` flag and a TOML key). What it runs with, resolved against the model and the devices,
+    is the engine's `Layout` (jinfer.layout); this stays as asked."""
 
-    max_slots: int = 8
-    max_seq_len: int = 2048  # per slot: prompt + generated tokens
-    max_queue: int = 256  # waiting requests; submit beyond it is rejected
-    prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)
-    prefill_token_budget: int = 512  # prompt tokens prefilled per engine iteration (at least one chunk)
-    decode_steps: int = 4  # decode steps per dispatch (lax.scan)
-    # While requests are decoding, prompts are prefilled this many tokens at a time inside the decode
-    # dispatches (one chunk per dispatch, sharing its weight reads), so streams keep a steady pace
-    # when prompts arrive. 0: prompts always get dispatches of their own (better time to first token).
-    mixed_prefill_tokens: int = 0
-    dtype: str = "float32"
-    # Decode attention by a kernel that reads each slot's cache in place up to its own length (on one
-    # device; see steps.attention_kernel): on a GPU JAX's Pallas kernel (16-bit dtypes, a max_seq_len
-    # it can split: llama.decode_kernel_fits), on a CPU jinfer's C++ kernel (float32; built with the
-    # machine's C++ compiler on first use). False: XLA's einsums over the attention bucket.
-    decode_kernel: bool = True
-    # On a CPU (float32, one device) keep a second copy of each weight matrix packed for jinfer's
-    # few-column matmul kernel (`jinfer.kernels.cpu_matmul`), which products of up to 32 columns
-    # (decode steps, short prompt chunks) multiply with: SmolLM2's decode step ~1.3x faster at 2-4
-    # slots, ~1.4x at 8, ~1.25x at 16, ~1.15x at 32 (level at 1), at the cost of the weights'
-    # memory again.
-    packed_weights: bool = False
-    mesh_data: int = 1  # devices along the data axis (slots are split over it)
-    mesh_model: int = 1  # devices along the model axis (heads, MLP width and vocab are split over it)
-    context_policy: str = "error"  # default for requests that do not choose one
-    memory_fraction: float = 0.9  # refuse a layout whose params + KV cache exceed this share of memory
+    max_slots: int = setting(8, "sequences decoded at once (slots)")
+    max_seq_len: int = setting(2048, "tokens per slot, prompt + output (capped at the model's context)")
+    max_queue: int = setting(256, "waiting requests; more are refused (HTTP 429)")
+    prefill_buckets: tuple[int, ...] = setting(
+        (32, 64, 128, 256, 512), "prompt lengths compiled for; longer prompts go in chunks of the largest"
+    )
+    prefill_token_budget: int = setting(
+        512, "prompt tokens prefilled per engine iteration (at least one chunk)"
+    )
+    decode_steps: int = setting(4, "decode steps per device dispatch (lax.scan)")
+    mixed_prefill_tokens: int = setting(
+        0,
+        "while requests decode, prefill prompts this many tokens at a time inside the decode steps "
+        "(steadier streams, later first tokens); 0: prompts get dispatches of their own",
+    )
+    dtype: str = setting("float32", "float32 | bfloat16 | float16")
+    decode_kernel: bool = setting(
+        True,
+        "decode attention by a kernel reading each slot's cache in place (CPU: jinfer's C++, float32; "
+        "GPU: Pallas, 16-bit); false: XLA's einsums",
+    )
+    packed_weights: bool | None = setting(
+        None,
+        "a second, packed copy of each weight matrix for jinfer's CPU matmul kernel (one CPU device, "
+        "float32); auto: on where the kernel runs and memory allows",
+    )
+    mesh_data: int = setting(1, "devices along the data axis (slots are split over it)")
+    mesh_model: int = setting(1, "devices along the model axis (heads, MLP width, vocabulary)")
+    context_policy: str = setting("error", "for requests that name none: error | truncate | drop_oldest")
+    memory_fraction: float = setting(
+        0.9, "refuse a layout whose weights + KV cache exceed this share of memory"
+    )
 
     def __post_init__(self):
         positive = ("max_slots", "max_seq_len", "max_queue", "prefill_token_budget", "decode_steps")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if isinstance(self.packed_weights, str) and self.packed_weights.lower() == "auto":
+            object.__setattr__(self, "packed_weights", None)
         for name in ("decode_kernel", "packed_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "packed_weights" and value is None):
+                raise ValueError(
+                    f"{name} must be true or false{' or auto' * (name == 'packed_weights')}, got {value!r}"
+                )
         if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 0:
             raise ValueError(
                 f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}"
             )
-        # No bucket longer than a slot: a short window gets a cache of exactly its length.
-        buckets = tuple(sorted({min(b, self.max_seq_len) for b in self.prefill_buckets}))
-        if not buckets or buckets[0] < 1:
-            raise ValueError(f"prefill_buckets must be positive lengths, got {self.prefill_buckets!r}")
-        object.__setattr__(self, "prefill_buckets", buckets)
+        if isinstance(self.prefill_buckets, list):
+            object.__setattr__(self, "prefill_buckets", tuple(self.prefill_buckets))
+        buckets = self.prefill_buckets
+        if (
+            not isinstance(buckets, tuple)
+            or not buckets
+            or not all(isinstance(b, int) and b > 0 for b in buckets)
+        ):
+            raise ValueError(f"prefill_buckets must be a tuple of positive lengths, got {buckets!r}")
         if self.context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_slots % self.mesh_data:
             raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")
-
-    @property
-    def chunk_len(self) -> int:
-        """Prompts longer than the largest bucket are prefilled in chunks of this many tokens."""
-        return self.prefill_buckets[-1]
-
-    @property
-    def attention_buckets(self) -> tuple[int, ...]:
-        """Decode attends over the first `bucket` cache positions: the smallest that holds every slot."""
-        return _geometric_buckets(64, 2, self.max_seq_len)
-
-    @property
-    def slot_buckets(self) -> tuple[int, ...]:
-        """Decode runs over the first `bucket` slots: the smallest that holds every busy slot.
-
-        Powers of four below max_slots, then max_slots (few compiled variants, and a single user
-        does not pay for eight). With slots split over a data axis, always all of them: a prefix
-        of a sharded axis would not be evenly spread over the devices.
-        """
-        if self.mesh_data > 1:
-            return (self.max_slots,)
-        return _geometric_buckets(1, 4, self.max_slots)
-
-    def slot_bucket(self, busy: int) -> int:
-        """The decode rows for `busy` = the highest busy slot + 1."""
-        return next(b for b in self.slot_buckets if b >= busy)
-
-    def mixed_chunk_len(self, busy: int) -> int:
-        """Prompt tokens carried by a decode dispatch for `busy` = the highest busy slot + 1 (0 when
-        mixing is off); the dispatch decodes rows = slot_bucket(busy).
-
-        At least `mixed_prefill_tokens`, more where the step's extra columns come free. XLA's
-        products cost whole COLUMN_TILEs, so rows + chunk are rounded up to fill them (a 1-slot step
-        carries 7 tokens for the price of 5). With packed weights (as the engine resolves them: only
-        where the kernel runs) the kernel's first 8 columns wait on the weights' bytes, each column
-        past them on its multiplies, so the chunk only fills the first tile (8 slots: 4 tokens, 12
-        columns, where 16 cost 1.5x a plain step).
-        """
-        if not self.mixed_prefill_tokens:
-            return 0
-        rows = self.slot_bucket(busy)
-        if self.packed_weights:
-            return max(self.mixed_prefill_tokens, COLUMN_TILE - rows)
-        return -(-(rows + self.mixed_prefill_tokens) // COLUMN_TILE) * COLUMN_TILE - rows

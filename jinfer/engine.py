@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import EngineConfig
-from jinfer.context import fit_prompt
 from jinfer.kv_cache import cache_bytes
+from jinfer.layout import param_bytes, resolve_layout
 from jinfer.models import llama
+from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scheduler import (
     Plan,
@@ -42,7 +43,7 @@ from jinfer.scheduler import (
     TextStream,
 )
 from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
-from jinfer.steps import MAX_LOGIT_BIAS, MAX_STOP_IDS, build_steps, packs_weights, prefill_chunk_arrays
+from jinfer.steps import build_steps, prefill_chunk_arrays
 from jinfer.weights import LoadedModel
 
 log = logging.getLogger("jinfer.engine")
@@ -83,27 +84,12 @@ class DispatchCounts:
     decode_idle_row_steps: int = 0
 
 
-def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
-    """ValueError for an empty prompt or token ids outside the vocabulary."""
-    if not prompt_ids:
-        raise ValueError("prompt is empty (it encodes to no tokens)")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-
-
 class Engine:
     """Continuous batching over `max_slots` fixed slots of one preallocated KV cache."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
-        config = config or EngineConfig()
-        if config.max_seq_len > loaded.config.max_position_embeddings:
-            config = dataclasses.replace(config, max_seq_len=loaded.config.max_position_embeddings)
+        self.config = config = config or EngineConfig()  # as asked; self.layout is what runs
         self.mesh = make_mesh(config.mesh_data, config.mesh_model)
-        # Packed weights only where the kernel runs (see packs_weights); from here on the config says
-        # which products run, and the mixed chunk sizes (config.mixed_chunk_len) follow them.
-        config = dataclasses.replace(config, packed_weights=packs_weights(config, self.mesh))
-        self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
@@ -111,23 +97,42 @@ class Engine:
         padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
         shardings = param_shardings(padded_cfg, self.mesh)
         self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
-        if config.packed_weights:  # one device: the packed copies' own placement will do
+        devices = config.mesh_data * config.mesh_model
+        self._available = available_memory_bytes(self.mesh.devices.flat[0]) * devices
+        self.layout = resolve_layout(
+            config,
+            loaded.config,
+            self.mesh.size,
+            cache_bytes_per_token=cache_bytes(padded_cfg, 1, 1, self.dtype),
+            weight_bytes=param_bytes(self.params),
+            available_bytes=self._available,
+        )
+        layout = self.layout
+        self._packed_bytes = param_bytes(self.params) if layout.packed_weights else 0  # about the copy's
+        if layout.packed_weights:  # one device: the packed copies' own placement will do
             self.params = llama.pack_weights(self.params)
             shardings = jax.tree.map(lambda a: a.sharding, self.params)
-            log.info("weights packed for the CPU matmul kernel (a second copy of each matrix)")
-        self.cache_bytes = cache_bytes(padded_cfg, config.max_slots, config.max_seq_len, self.dtype)
+        self.cache_bytes = cache_bytes(padded_cfg, layout.max_slots, layout.max_seq_len, self.dtype)
         self._check_memory()
-        self.steps = build_steps(padded_cfg, config, self.mesh, shardings, loaded.config.vocab_size)
+        self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, loaded.config.vocab_size)
         self.cache = self.steps.new_cache(self.dtype)
         self.state = self.steps.new_state()
+        self.preparer = RequestPreparer(
+            self.tokenizer,
+            vocab_size=loaded.config.vocab_size,
+            max_seq_len=layout.max_seq_len,
+            eos_token_ids=self.eos_token_ids,
+            sampling_defaults=loaded.generation_defaults,
+            context_policy=layout.context_policy,
+        )
         self.scheduler = Scheduler(
             self.tokenizer,
-            config.max_slots,
-            config.max_queue,
-            config.chunk_len,
-            config.prefill_token_budget,
-            config.mixed_chunk_len if config.mixed_prefill_tokens else None,
-            config.decode_steps,
+            layout.max_slots,
+            layout.max_queue,
+            layout.chunk_len,
+            layout.prefill_token_budget,
+            layout.mixed_chunk_len if layout.mixed_prefill_tokens else None,
+            layout.decode_steps,
         )
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
         self.dispatch_counts = DispatchCounts()  # written by the loop thread only
@@ -135,38 +140,42 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         log.info(
-            "engine: %d slots x %d positions, KV cache %.1f MiB (%s), mesh data=%d model=%d",
-            config.max_slots,
-            config.max_seq_len,
+            "engine: %d slots x %d positions, KV cache %.1f MiB (%s), weights %.1f MiB%s, "
+            "mesh data=%d model=%d",
+            layout.max_slots,
+            layout.max_seq_len,
             self.cache_bytes / 2**20,
-            config.dtype,
-            config.mesh_data,
-            config.mesh_model,
+            layout.dtype,
+            param_bytes(self.params) / 2**20,
+            " (with packed copies)" if layout.packed_weights else "",
+            layout.mesh_data,
+            layout.mesh_model,
         )
+        log.info("engine: %s", layout.describe())
 
     # ------------------------------------------------------------------------------ setup
     def _check_memory(self) -> None:
-        cfg = self.config
-        available = available_memory_bytes(self.mesh.devices.flat[0]) * cfg.mesh_data * cfg.mesh_model
-        allowed = cfg.memory_fraction * available
+        cfg = self.layout
+        allowed = self.config.memory_fraction * self._available - self._packed_bytes
         if self.cache_bytes <= allowed:
             return
         per_slot = self.cache_bytes / cfg.max_slots
         fit_slots = int(allowed // per_slot)
         fit_len = int(allowed // (self.cache_bytes / cfg.max_seq_len))
+        packed = ", less the packed weights (packed_weights=false frees them)" if self._packed_bytes else ""
         raise ValueError(
             f"the KV cache for max_slots={cfg.max_slots} x max_seq_len={cfg.max_seq_len} needs "
             f"{self.cache_bytes / 2**30:.2f} GiB but only {allowed / 2**30:.2f} GiB is available "
-            f"({cfg.memory_fraction:.0%} of free memory); max_slots={fit_slots} or "
-            f"max_seq_len={fit_len} would fit"
+            f"({self.config.memory_fraction:.0%} of free memory{packed}); "
+            f"max_slots={fit_slots} or max_seq_len={fit_len} would fit"
         )
 
     def warmup(self) -> float:
         """Compile every prefill bucket and every (mixed) decode bucket pair; return the seconds."""
         start = time.perf_counter()
         vocab = self.steps.vocab_size
-        greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
-        for size in self.config.prefill_buckets:
+        greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
+        for size in self.layout.prefill_buckets:
             chunk = prefill_chunk_arrays(
                 np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False
             )
@@ -176,7 +185,7 @@ class Engine:
             self.cache, self.state, out = decode(self.params, self.cache, self.state, active, np.False_)
         for (rows, _), mixed in self.steps.mixed.items():
             active = np.zeros(rows, bool)
-            size = self.config.mixed_chunk_len(rows)
+            size = self.layout.mixed_chunk_len(rows)
             chunk = prefill_chunk_arrays(
                 np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False
             )
@@ -199,47 +208,29 @@ class Engine:
                 "running": sum(r.running for r in active),
                 "waiting": len(self.scheduler.waiting),
                 "slots_in_use": len(active),
-                "kv_cache_usage": used / (self.config.max_slots * self.config.max_seq_len),
+                "kv_cache_usage": used / (self.layout.max_slots * self.layout.max_seq_len),
             }
 
     # ----------------------------------------------------------------------------- inbox
     def make_request(
         self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
+        prepared: PreparedRequest,
         sink: Callable[[RequestOutput], None],
         *,
         request_id: str | None = None,
-        context_policy: str | None = None,
     ) -> Request:
-        """Validate a request and fit it to the context window (ValueError with a clear message)."""
-        vocab = self.model_config.vocab_size
-        check_prompt_ids(prompt_ids, vocab)
-        if sampling.logit_bias and len(sampling.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
-        named = (*(sampling.logit_bias or {}), *(sampling.stop_token_ids or ()))
-        if any(t >= vocab for t in named):
-            raise ValueError(
-                f"logit_bias / stop_token_ids name token ids outside the vocabulary [0, {vocab})"
-            )
-        eos = () if sampling.ignore_eos else self.eos_token_ids
-        stop_ids = frozenset(sampling.stop_token_ids or ()) | frozenset(eos)
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}")
-        policy = context_policy or self.config.context_policy
-        ids, max_tokens, dropped = fit_prompt(
-            list(prompt_ids), sampling.max_tokens, self.config.max_seq_len, policy
-        )
+        """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check."""
+        sampling = prepared.sampling
         return Request(
             request_id=request_id or uuid.uuid4().hex,
-            prompt_ids=ids,
+            prompt_ids=prepared.prompt_ids,
             sampling=sampling,
-            max_tokens=max_tokens,
-            stop_ids=stop_ids,
+            max_tokens=prepared.max_tokens,
+            stop_ids=prepared.stop_ids,
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(32),
             sink=sink,
-            stream=TextStream(self.tokenizer, ids, tuple(sampling.stop or ())),
-            dropped_prompt_tokens=dropped,
+            stream=TextStream(self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ())),
+            dropped_prompt_tokens=prepared.dropped_prompt_tokens,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:
@@ -250,13 +241,9 @@ class Engine:
             self.scheduler.submit(request)
             self._lock.notify_all()
 
-    def submit(
-        self, prompt_ids, sampling, sink, *, request_id=None, context_policy=None, block=False
-    ) -> Request:
+    def submit(self, prepared: PreparedRequest, sink, *, request_id=None, block=False) -> Request:
         """make_request + enqueue."""
-        request = self.make_request(
-            prompt_ids, sampling, sink, request_id=request_id, context_policy=context_policy
-        )
+        request = self.make_request(prepared, sink, request_id=request_id)
         self.enqueue(request, block)
         return request
 
@@ -313,7 +300,7 @@ class Engine:
         dispatched = []
         counts = self.dispatch_counts
         for work in plan.prefills:
-            size = next(b for b in self.config.prefill_buckets if b >= len(work.tokens))
+            size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
             try:
                 self.cache, self.state, out = self.steps.prefill(
                     self.params, self.cache, self.state, self._chunk_arrays(work, size)
@@ -329,7 +316,7 @@ class Engine:
         if not plan.decodes:
             return dispatched
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
-        rows = self.config.slot_bucket(busy[-1] + 1)
+        rows = self.layout.slot_bucket(busy[-1] + 1)
         owners = plan.decode_owners[:rows]
         active = np.array([r is not None for r in owners])
         running = [r for r in owners if r is not None]
@@ -338,23 +325,23 @@ class Engine:
         # decode_steps more positions: attend over a bucket that surely holds them all (and the
         # carried prompt chunk's positions).
         furthest = (
-            max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * self.config.decode_steps + 1
+            max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * self.layout.decode_steps + 1
         )
         fused = plan.fused
         if fused is not None:
             furthest = max(furthest, fused.start + len(fused.tokens))
-        attn_len = self.steps.attention_bucket(furthest)
+        attn_len = self.layout.attention_bucket(furthest)
         args = (self.params, self.cache, self.state, active, want_logprobs)
         try:
             if fused is None:
                 self.cache, self.state, out = self.steps.decode[rows, attn_len](*args)
             else:
-                chunk = self._chunk_arrays(fused, self.config.mixed_chunk_len(rows))
+                chunk = self._chunk_arrays(fused, self.layout.mixed_chunk_len(rows))
                 self.cache, self.state, out, chunk_out = self.steps.mixed[rows, attn_len](*args, chunk)
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)
             return dispatched
-        steps = self.config.decode_steps if fused is None else 1
+        steps = self.layout.decode_steps if fused is None else 1
         counts.decode_dispatches += 1
         counts.decode_steps += steps
         counts.decode_active_row_steps += len(running) * steps

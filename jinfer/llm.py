@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import EngineConfig
-from jinfer.context import fit_conversation
-from jinfer.engine import Engine, check_prompt_ids
+from jinfer.engine import Engine
 from jinfer.models import llama
+from jinfer.prepare import PreparedRequest
 from jinfer.sampling import SamplingParams
 from jinfer.scheduler import RequestOutput
 from jinfer.weights import default_model_path, load_model
@@ -88,14 +88,17 @@ class LLM:
             raise ValueError(f"{loaded.source} has no tokenizer files; jinfer.LLM needs one")
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        # The model's generation_config.json decides what `sampling=None` means.
-        defaults = loaded.generation_defaults
-        knobs = ("temperature", "top_p", "top_k", "repetition_penalty")
-        self.default_sampling = SamplingParams(**{k: defaults[k] for k in knobs if k in defaults})
         self.eos_token_ids = loaded.eos_token_ids
         self.engine = Engine(loaded, EngineConfig(**engine_options))
-        self.max_seq_len = self.engine.config.max_seq_len
+        self.preparer = self.engine.preparer
+        self.max_seq_len = self.preparer.max_seq_len
         self._score = jax.jit(partial(_score, cfg=self.engine.steps.model, vocab=self.config.vocab_size))
+
+    @property
+    def default_sampling(self) -> SamplingParams:
+        """What `sampling=None` means: the model's defaults (generation_config.json or its preset),
+        then jinfer's; a SamplingParams with some knobs set keeps the model's for the others."""
+        return self.preparer.sampling(None)
 
     @property
     def params(self):
@@ -112,14 +115,12 @@ class LLM:
         """Complete each prompt (text, or token ids used as they are), batched through the slots."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not a single string")
+        per = self._per_prompt(sampling, len(prompts))
         items = [
-            (self.encode_prompt(p), s)
-            for p, s in zip(prompts, self._per_prompt(sampling, len(prompts)), strict=True)
+            self.preparer.prepare(p, sampling=s, context_policy=context_policy)
+            for p, s in zip(prompts, per, strict=True)
         ]
-        results: list[Completion | None] = [None] * len(items)
-        for index, completion in self.iter_completions(items, context_policy):
-            results[index] = completion
-        return results
+        return self._run_all(items)
 
     def chat(
         self,
@@ -133,67 +134,49 @@ class LLM:
         conversation fits; `metrics["dropped_messages"]` says how many.
         """
         per = self._per_prompt(sampling, len(conversations))
-        policy = context_policy or self.engine.config.context_policy
-        items, dropped = [], []
-        for messages, sp in zip(conversations, per, strict=True):
-            ids, _, n_dropped = fit_conversation(
-                self.tokenizer, list(messages), sp.max_tokens, self.max_seq_len, policy
-            )
-            items.append((ids, sp))
-            dropped.append(n_dropped)
-        inner_policy = "error" if policy == "drop_oldest" else policy
+        items = [
+            self.preparer.prepare(messages=list(m), sampling=s, context_policy=context_policy)
+            for m, s in zip(conversations, per, strict=True)
+        ]
+        return self._run_all(items)
+
+    def _run_all(self, items: list[PreparedRequest]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(items)
-        for index, completion in self.iter_completions(items, inner_policy):
-            completion.metrics["dropped_messages"] = dropped[index]
+        for index, completion in self.iter_completions(items):
             results[index] = completion
         return results
 
-    def iter_completions(
-        self,
-        items: Iterable[tuple[list[int], SamplingParams]],
-        context_policy: str | None = None,
-        invalid: str = "raise",
-    ) -> Iterator[tuple[int, Completion]]:
-        """Run (prompt ids, sampling) items through the engine; yield (index, Completion) as each finishes.
-
-        Every item is validated before anything runs. With invalid="raise" a bad item raises without
-        side effects; with invalid="report" it is yielded at once as a Completion with
-        finish_reason "error" and the others run.
-        """
+    def iter_completions(self, items: Iterable[PreparedRequest]) -> Iterator[tuple[int, Completion]]:
+        """Run prepared requests (`llm.preparer.prepare`) through the engine; yield (index,
+        Completion) as each finishes, admitting more as the bounded queue frees up."""
         engine = self.engine
         pending = []
-        for index, (ids, sp) in enumerate(items):
-            collector = _Collector(index, sp.logprobs is not None)
-            try:
-                request = engine.make_request(ids, sp, collector, context_policy=context_policy)
-            except ValueError as e:
-                if invalid == "raise":
-                    raise
-                yield index, Completion("", [], list(ids), "error", error=str(e))
-                continue
-            pending.append((request, collector))
+        for index, prepared in enumerate(items):
+            collector = _Collector(index, prepared.sampling.logprobs is not None)
+            pending.append((engine.make_request(prepared, collector), collector, prepared))
         pending.reverse()
-        running: list[tuple[Any, _Collector]] = []
+        running: list[tuple[Any, _Collector, PreparedRequest]] = []
         while pending or running:
             while pending and engine.scheduler.queue_has_room:
-                request, collector = pending.pop()
-                engine.enqueue(request)
-                running.append((request, collector))
+                entry = pending.pop()
+                engine.enqueue(entry[0])
+                running.append(entry)
             engine.step()
             still = []
-            for request, collector in running:
+            for request, collector, prepared in running:
                 if collector.final is not None:
-                    yield collector.index, collector.completion(request.prompt_ids)
+                    completion = collector.completion(request.prompt_ids)
+                    completion.metrics["dropped_messages"] = prepared.dropped_messages
+                    yield collector.index, completion
                 else:
-                    still.append((request, collector))
+                    still.append((request, collector, prepared))
             running = still
 
     def score(self, sequences: Sequence[str] | Sequence[Sequence[int]]) -> list[np.ndarray]:
         """log p(x_i | x_<i) for i >= 1 of each sequence, float32, length len - 1."""
         out = []
         for seq in sequences:
-            ids = self.encode_prompt(seq)
-            check_prompt_ids(ids, self.config.vocab_size)
+            ids = self.preparer.prompt_ids(seq)
             if len(ids) > self.max_seq_len:
                 raise ValueError(f"sequence of {len(ids)} tokens exceeds max_seq_len={self.max_seq_len}")
             tokens = np.zeros((1, _bucket(len(ids))), np.int32)
@@ -203,18 +186,12 @@ class LLM:
         return out
 
     # ----------------------------------------------------------------------------- internal
-    def _per_prompt(self, sampling, n: int) -> list[SamplingParams]:
-        if sampling is None:
-            return [self.default_sampling] * n
-        if isinstance(sampling, SamplingParams):
+    def _per_prompt(self, sampling, n: int) -> list[SamplingParams | None]:
+        if sampling is None or isinstance(sampling, SamplingParams):
             return [sampling] * n
         if len(sampling) != n:
             raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
         return list(sampling)
-
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text prompt, or the given ids as ints (validated where they are used)."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
 
 def _score(params, tokens, *, cfg, vocab):

@@ -12,82 +12,145 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jinfer.options import setting
+
+
+class RequestError(ValueError):
+    """A request field has the wrong type or is out of range; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+INT32_MAX = 2**31 - 1  # integer knobs reach the device as int32
+SEED_LIMIT = 2**64  # seeds are any 64-bit value; the device folds them to 32 bits
+
+# The knobs a model's generation_config.json (or its preset) may set; unset (None) on a request,
+# they take the model's value, else these (OpenAI's defaults: plain sampling at temperature 1).
+MODEL_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. `temperature=0` is greedy. Validated on construction."""
+    """How to sample one request; validated on construction (RequestError names the field).
 
-    max_tokens: int | None = 16  # None: up to the context window
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    stop: Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    `temperature=0` is greedy. Knobs left at None take the model's defaults (its
+    generation_config.json or preset), then jinfer's (`MODEL_DEFAULTS`): `resolve` does that, once,
+    for every door. `max_tokens=None` generates until a stop condition or the context window ends.
+    """
+
+    max_tokens: int | None = setting(None, "most tokens to generate; unset: until a stop or the context ends")
+    temperature: float | None = setting(None, "0: greedy; unset: the model's default, else 1")
+    top_k: int | None = setting(None, "keep the k likeliest tokens (0: off); unset: the model's default")
+    top_p: float | None = setting(None, "nucleus sampling mass in (0, 1]; unset: the model's default")
+    min_p: float | None = setting(None, "drop tokens below min_p x the likeliest's probability")
+    repetition_penalty: float | None = setting(None, "divide logits of seen tokens (> 1 discourages)")
+    presence_penalty: float = setting(0.0, "subtract from logits of tokens already generated, in [-2, 2]")
+    frequency_penalty: float = setting(0.0, "subtract per occurrence of a generated token, in [-2, 2]")
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to its logit
+    seed: int | None = setting(None, "seed for reproducible sampling (unset: a fresh one per request)")
+    stop: Sequence[str] | None = None  # strings that end the output (not included in it)
+    stop_token_ids: Sequence[int] | None = None  # token ids that end the output, beside eos
+    ignore_eos: bool = setting(False, "keep generating past end-of-sequence tokens")
+    min_tokens: int = setting(0, "tokens to generate before a stop token may end the output")
     logprobs: int | None = None  # number of top alternatives to report per token (0: chosen only)
 
     def __post_init__(self):
-        def finite(name, value):
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        _validate(self)
 
-        def integer(name, value, minimum):
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    @property
+    def resolved(self) -> bool:
+        return all(getattr(self, name) is not None for name in MODEL_DEFAULTS)
 
-        if self.max_tokens is not None:
-            integer("max_tokens", self.max_tokens, 1)
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
-            finite(name, getattr(self, name))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        integer("top_k", self.top_k, 0)
-        integer("min_tokens", self.min_tokens, 0)
-        if self.seed is not None:
-            integer("seed", self.seed, 0)
-        if self.logprobs is not None:
-            integer("logprobs", self.logprobs, 0)
-        if self.logit_bias is not None:
-            for token, bias in self.logit_bias.items():
-                integer("logit_bias token id", token, 0)
-                finite(f"logit_bias[{token}]", bias)
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.stop_token_ids is not None:
-            for token in self.stop_token_ids:
-                integer("stop_token_ids entry", token, 0)
+    def resolve(self, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Each unset knob from `model_defaults`, else from jinfer's defaults."""
+        model_defaults = model_defaults or {}
+        chosen = {}
+        for name, fallback in MODEL_DEFAULTS.items():
+            if getattr(self, name) is None:
+                chosen[name] = model_defaults.get(name, fallback)
+        return dataclasses.replace(self, **chosen) if chosen else self
+
+
+def _validate(p: SamplingParams) -> None:
+    def number(name, low=None, high=None, low_open=False):
+        value = getattr(p, name)
+        if value is None:
+            return
+        if not _finite_number(value):
+            raise RequestError(f"{name} must be a finite number, got {_short(value)}", name)
+        if low is not None and (value <= low if low_open else value < low):
+            raise RequestError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}", name)
+        if high is not None and value > high:
+            raise RequestError(f"{name} must be <= {high}, got {value}", name)
+
+    def integer(name, value, minimum, maximum=INT32_MAX):
+        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+            raise RequestError(
+                f"{name} must be an integer in [{minimum}, {maximum}], got {_short(value)}", name
+            )
+
+    number("temperature", low=0)
+    number("top_p", low=0, low_open=True, high=1)
+    number("min_p", low=0, high=1)
+    number("repetition_penalty", low=0, low_open=True)
+    number("presence_penalty", low=-2, high=2)
+    number("frequency_penalty", low=-2, high=2)
+    if p.max_tokens is not None:
+        integer("max_tokens", p.max_tokens, 1)
+    if p.top_k is not None:
+        integer("top_k", p.top_k, 0)
+    integer("min_tokens", p.min_tokens, 0)
+    if p.seed is not None:
+        integer("seed", p.seed, 0, SEED_LIMIT - 1)
+    if p.logprobs is not None:
+        integer("logprobs", p.logprobs, 0, 20)
+    if not isinstance(p.ignore_eos, bool):
+        raise RequestError(f"ignore_eos must be true or false, got {_short(p.ignore_eos)}", "ignore_eos")
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, Mapping):
+            raise RequestError("logit_bias must map token ids to biases", "logit_bias")
+        for token, bias in p.logit_bias.items():
+            integer("logit_bias token id", token, 0)
+            if not _finite_number(bias):
+                raise RequestError(
+                    f"logit_bias[{token}] must be a finite number, got {_short(bias)}", "logit_bias"
+                )
+            if abs(bias) > 100:
+                raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}", "logit_bias")
+    if isinstance(p.stop, str):
+        object.__setattr__(p, "stop", (p.stop,))
+    if p.stop is not None:
+        if not isinstance(p.stop, Sequence) or not all(isinstance(s, str) and s for s in p.stop):
+            raise RequestError(f"stop must be non-empty strings, got {_short(p.stop)}", "stop")
+        object.__setattr__(p, "stop", tuple(p.stop))
+    if p.stop_token_ids is not None:
+        if not isinstance(p.stop_token_ids, Sequence) or isinstance(p.stop_token_ids, str):
+            raise RequestError("stop_token_ids must be a list of token ids", "stop_token_ids")
+        for token in p.stop_token_ids:
+            integer("stop_token_ids entry", token, 0)
+        object.__setattr__(p, "stop_token_ids", tuple(p.stop_token_ids))
+
+
+def _finite_number(value) -> bool:
+    """An int or float a float32 can hold the meaning of (a 400-digit int is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return abs(value) <= 2**53 if isinstance(value, int) else math.isfinite(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @struct.dataclass
@@ -105,6 +168,9 @@ class SamplingArrays:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> SamplingArrays:
+        """Rows of resolved params (`SamplingParams.resolve`): an unset knob would become NaN."""
+        if not all(p.resolved for p in params):
+            raise ValueError("SamplingArrays needs resolved SamplingParams (SamplingParams.resolve)")
         col = lambda name, dtype: np.array([getattr(p, name) for p in params], dtype=dtype)
         return cls(
             temperature=col("temperature", np.float32),
@@ -193,3 +259,15 @@ def token_logprobs(
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(logp, top_n)
     return chosen, top_values, top_ids.astype(jnp.int32)
+
+
+def check_model_defaults(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A model's sampling defaults (a preset's or a config's `[sampling]` table), checked."""
+    unknown = sorted(set(values) - set(MODEL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"{where}: [sampling] may set {', '.join(MODEL_DEFAULTS)}; not {unknown}")
+    try:
+        SamplingParams(**values)
+    except RequestError as e:
+        raise ValueError(f"{where}: [sampling]: {e}") from None
+    return dict(values)

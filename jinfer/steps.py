@@ -1,4 +1,4 @@
-"""The jitted device steps, built once per (model config, engine config, mesh).
+"""The jitted device steps, built once per (model config, layout, mesh).
 
 Three verbs touch the preallocated cache, all with the cache and slot state donated:
 
@@ -44,15 +44,13 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinfer.config import COLUMN_TILE, EngineConfig, ModelConfig
-from jinfer.kernels import cpu_attention, cpu_matmul
+from jinfer.config import COLUMN_TILE, MAX_LOGIT_BIAS, MAX_STOP_IDS, ModelConfig
 from jinfer.kv_cache import KVCache, init_cache
+from jinfer.layout import Layout
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, sample, token_logprobs
 from jinfer.sharding import DATA, MODEL
 
-MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
-MAX_STOP_IDS = 64  # stop_token_ids + eos ids per request
 TOP_LOGPROBS = 20  # alternatives computed when any request wants logprobs (OpenAI's maximum)
 
 
@@ -89,7 +87,7 @@ class PrefillChunk:
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
-_DEFAULT_KNOBS = SamplingArrays.from_params([SamplingParams()], [0])
+_DEFAULT_KNOBS = SamplingArrays.from_params([SamplingParams().resolve()], [0])
 # Sampling knobs that travel in the int32 array (top_k; seed, a uint32 carried bit for bit).
 _INT_SAMPLING = tuple(
     n for n in _SAMPLING_FIELDS if not np.issubdtype(getattr(_DEFAULT_KNOBS, n).dtype, np.floating)
@@ -339,21 +337,19 @@ class Steps:
     """The compiled verbs and the device layout they were built for."""
 
     model: ModelConfig  # padded for the mesh
-    engine: EngineConfig
+    layout: Layout
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
-    attention_kernel: str | None  # "cpu" / "gpu": decode attends with that kernel (attention_kernel())
-    attention_buckets: tuple[int, ...]  # the engine's, or only max_seq_len with an attention kernel
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
     clear_slot: callable  # (cache, slot) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
 
-    def attention_bucket(self, positions: int) -> int:
-        """The smallest attention bucket holding `positions` cache positions (capped at the cache)."""
-        return next(b for b in self.attention_buckets if b >= min(positions, self.engine.max_seq_len))
+    attention_kernel = property(lambda self: self.layout.attention_kernel)
+    attention_buckets = property(lambda self: self.layout.attention_buckets)
+    attention_bucket = property(lambda self: self.layout.attention_bucket)
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
@@ -363,11 +359,11 @@ class Steps:
 
     def new_cache(self, dtype) -> KVCache:
         return init_cache(
-            self.model, self.engine.max_slots, self.engine.max_seq_len, dtype, self.cache_sharding
+            self.model, self.layout.max_slots, self.layout.max_seq_len, dtype, self.cache_sharding
         )
 
     def new_state(self) -> SlotState:
-        slots, vocab = self.engine.max_slots, self.vocab_size
+        slots, vocab = self.layout.max_slots, self.vocab_size
 
         def make():
             zeros_sv = lambda dtype: jnp.zeros((slots, vocab), dtype)
@@ -396,38 +392,7 @@ class Steps:
         return jax.jit(make, out_shardings=self.state_shardings)()
 
 
-def attention_kernel(engine: EngineConfig, model: ModelConfig, mesh: Mesh) -> str | None:
-    """Which kernel decode attends with (`llama.forward_groups`), when `engine.decode_kernel` asks
-    for one and the mesh is a single device (neither kernel has a sharding rule):
-    "gpu": the Pallas kernel, for 16-bit caches (its float32 products would round to TF32) of a
-    length it can split; "cpu": the C++ kernel, for float32 caches and a head_dim of whole 8-lane
-    vectors, once it is built (`cpu_attention.available`). None: XLA's einsums."""
-    if not engine.decode_kernel or mesh.size != 1:
-        return None
-    backend = jax.default_backend()
-    if backend == "gpu" and engine.dtype != "float32" and llama.decode_kernel_fits(engine.max_seq_len):
-        return "gpu"
-    if backend == "cpu" and engine.dtype == "float32" and model.head_dim % 8 == 0:
-        return "cpu" if cpu_attention.available() else None
-    return None
-
-
-def packs_weights(engine: EngineConfig, mesh: Mesh) -> bool:
-    """Whether the engine keeps packed copies of its weights for the CPU matmul kernel
-    (`llama.pack_weights`): asked for by `engine.packed_weights`, on one CPU device in float32 (the
-    kernel has no sharding rule and multiplies float32), once the kernel is built."""
-    return (
-        engine.packed_weights
-        and mesh.size == 1
-        and jax.default_backend() == "cpu"
-        and engine.dtype == "float32"
-        and cpu_matmul.available()
-    )
-
-
-def build_steps(
-    model: ModelConfig, engine: EngineConfig, mesh: Mesh, param_shardings, vocab_size: int
-) -> Steps:
+def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings, vocab_size: int) -> Steps:
     """Jit prefill and decode once, with explicit shardings and the cache and state donated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     by_slot = NamedSharding(mesh, PartitionSpec(DATA))
@@ -446,16 +411,13 @@ def build_steps(
         sampling=SamplingArrays(*([by_slot] * len(dataclasses.fields(SamplingArrays)))),
     )
     common = {"cfg": model, "vocab": vocab_size}
-    kernel = attention_kernel(engine, model, mesh)
-    # A kernel reads each row up to its own length: one bucket will do (with the GPU kernel it
-    # bounds only the attention of a prompt chunk carried by a decode step).
-    attention_buckets = (engine.max_seq_len,) if kernel else engine.attention_buckets
+    kernel = layout.attention_kernel
     carried = (cache_shardings, state_shardings)
 
     def jit_decode(attn_len, mixed):
         # A dispatch carrying a prompt chunk is a single decode step: its cost stays close to one
         # plain step, which is the point of mixing.
-        steps = 1 if mixed else engine.decode_steps
+        steps = 1 if mixed else layout.decode_steps
         fn = partial(_decode, steps=steps, attn_len=attn_len, attention_kernel=kernel, **common)
         return jax.jit(
             fn,
@@ -467,12 +429,12 @@ def build_steps(
     def by_bucket_pair(mixed):
         # One jitted function per attention bucket serves every slot bucket (the active mask's
         # length); the dict names each compiled pair so the engine and warm-up agree on them.
-        by_len = {n: jit_decode(n, mixed) for n in attention_buckets}
-        return {(rows, n): by_len[n] for n in attention_buckets for rows in engine.slot_buckets}
+        by_len = {n: jit_decode(n, mixed) for n in layout.attention_buckets}
+        return {(rows, n): by_len[n] for n in layout.attention_buckets for rows in layout.slot_buckets}
 
     return Steps(
         model=model,
-        engine=engine,
+        layout=layout,
         vocab_size=vocab_size,
         mesh=mesh,
         prefill=jax.jit(
@@ -481,10 +443,8 @@ def build_steps(
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         ),
-        attention_kernel=kernel,
-        attention_buckets=attention_buckets,
         decode=by_bucket_pair(mixed=False),
-        mixed=by_bucket_pair(mixed=True) if engine.mixed_prefill_tokens else {},
+        mixed=by_bucket_pair(mixed=True) if layout.mixed_prefill_tokens else {},
         clear_slot=jax.jit(
             _clear_slot,
             in_shardings=(cache_shardings, replicated),

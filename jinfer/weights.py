@@ -30,6 +30,7 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.models.llama import Params, abstract_params, is_spec, param_specs
+from jinfer.sampling import MODEL_DEFAULTS, check_model_defaults
 from jinfer.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -254,7 +255,7 @@ def _generation_defaults(directory: str, cfg: ModelConfig) -> dict[str, Any]:
         return {}
     with open(path, encoding="utf-8") as f:
         gen = json.load(f)
-    out = {k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in gen}
+    out = {k: gen[k] for k in MODEL_DEFAULTS if k in gen}
     if gen.get("do_sample") is False:
         out["temperature"] = 0.0
     eos = gen.get("eos_token_id")
@@ -445,8 +446,19 @@ def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None 
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
-    """Load a HF model directory, a .gguf file or a jinfer checkpoint directory."""
-    path = os.fspath(path)
+    """Load a HF model directory, a .gguf file or a jinfer checkpoint directory; the model's
+    preset (`jinfer.presets`), if it has one, adds its sampling defaults."""
+    from jinfer.presets import model_preset
+
+    loaded = _load(os.fspath(path), dtype)
+    preset = model_preset(path)
+    if "sampling" in preset:
+        sampling = check_model_defaults(preset["sampling"], f"the preset for {os.path.basename(path)}")
+        loaded.generation_defaults = {**loaded.generation_defaults, **sampling}
+    return loaded
+
+
+def _load(path: str, dtype) -> LoadedModel:
     if os.path.isfile(path) and path.endswith(".gguf"):
         return load_gguf(path, dtype)
     if os.path.isdir(path):

@@ -14,7 +14,7 @@ Measured side by side in one run (the machines are shared and noisy, so only rat
     and llama.cpp at batch 1 on the F32 GGUF and on the embedded Q4_1 GGUF, runs alternating with
     jinfer's; time to load each;
   * the same for a random-weight Llama-shaped model of ~0.9 GB (jinfer and transformers);
-  * jinfer runs with packed weights as the CPU presets do (`packed_weights`: decode products of up
+  * jinfer runs with packed weights as every door does on a CPU (`packed_weights`: decode products of up
     to 32 columns through its C++ kernel); its compiled decode with them against an engine of the
     same settings on XLA's products alone, alternating, at --packed-slots;
   * decode at a long context (SmolLM2, 1 and 8 slots at position --context): jinfer's compiled
@@ -61,7 +61,7 @@ from jinfer.kv_cache import cache_bytes
 from jinfer.weights import default_model_path
 
 PREFILL_TOKENS = 256
-# As configs/smollm2.toml serves on a CPU: a packed copy of the weights for the decode kernel.
+# As every door runs it on a CPU by default: a packed copy of the weights for the decode kernel.
 JINFER_OPTIONS = {"packed_weights": True}
 
 
@@ -94,13 +94,13 @@ def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) ->
     params = llm.engine.params
     weights = decode_weight_bytes(params)
     per_position = cache_bytes(llm.engine.steps.model, 1, 1, params.final_norm.dtype)  # K and V, one slot
-    engine = llm.engine.config
+    layout = llm.engine.layout
     filled = prompt_len + tokens / 2
     # A kernel reads each slot up to its own position; the einsums read the whole attention bucket.
     read = (
         filled
         if llm.engine.steps.attention_kernel
-        else llm.engine.steps.attention_bucket(filled + 2 * engine.decode_steps + 1)
+        else layout.attention_bucket(filled + 2 * layout.decode_steps + 1)
     )
     return weights + slots * filled * per_position, weights + slots * read * per_position
 
@@ -252,7 +252,7 @@ def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool
         **JINFER_OPTIONS,
     )
     engine = llm.engine
-    steps_per_call = engine.config.decode_steps
+    steps_per_call = engine.layout.decode_steps
     reach = context + calls * steps_per_call + 1
     time_decode_calls(engine, slots, reach, calls, position=context)  # compiles and warms up
     before = engine.compile_count()

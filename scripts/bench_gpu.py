@@ -47,10 +47,11 @@ from benchlib import (
 
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.kv_cache import cache_bytes
+from jinfer.layout import resolve_layout
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
-from jinfer.steps import attention_kernel, build_steps, prefill_chunk_arrays
+from jinfer.steps import build_steps, prefill_chunk_arrays
 
 SHAPES = {
     "llama3-8b": {
@@ -88,7 +89,7 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
 
 
 def prompt_chunk(cfg, tokens: int, slot: int = 0):
-    greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)], [0])
+    greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
     return prefill_chunk_arrays(prompt, slot, 0, tokens, True, 0, {}, (), greedy, cfg.vocab_size, False)
 
@@ -141,12 +142,18 @@ def time_decode(decode, steps, params, dtype, slots: int, args) -> float:
     for _ in range(args.calls):
         cache, state, out = decode(params, cache, state, active, False)
     out.tokens.block_until_ready()
-    return (time.perf_counter() - start) / (args.calls * steps.engine.decode_steps)
+    return (time.perf_counter() - start) / (args.calls * steps.layout.decode_steps)
+
+
+def layout_of(engine: EngineConfig, cfg: ModelConfig):
+    """The layout the engine would run on one device, with the weights as they are (not packed)."""
+    engine = dataclasses.replace(engine, packed_weights=False)
+    return resolve_layout(engine, cfg, 1, cache_bytes_per_token=0, weight_bytes=0, available_bytes=0)
 
 
 def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> dict:
     """One decode step over every slot, alone and carrying a prompt chunk; the chunk alone."""
-    engine = dataclasses.replace(base, decode_steps=1, mixed_prefill_tokens=args.mixed_tokens)
+    engine = layout_of(dataclasses.replace(base, decode_steps=1, mixed_prefill_tokens=args.mixed_tokens), cfg)
     steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
     bucket = steps.attention_bucket(args.context + args.calls + 1)
     size = engine.mixed_chunk_len(slots)
@@ -219,9 +226,10 @@ def main() -> int:
     for slots in slot_counts:
         base = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
         variants = {"einsum": dataclasses.replace(base, decode_kernel=False)}
-        if attention_kernel(base, cfg, mesh):
+        if layout_of(base, cfg).attention_kernel:
             variants = {"kernel": base, **variants}
-        for attention, engine in variants.items():
+        for attention, asked in variants.items():
+            engine = layout_of(asked, cfg)
             steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
             if prefill is None:
                 progress(f"prefill: one {args.prefill_tokens}-token chunk, best of {args.calls // 5}")

@@ -54,14 +54,14 @@ def engine_step_s(llm: jinfer.LLM, slots: int) -> tuple[float, int]:
     # A dispatch's tokens are committed at one instant, so distinct times = dispatches (the first
     # token, from the prompt's dispatch, is left out).
     commits = np.unique(np.cumsum(last.metrics["inter_token_s"]))
-    step = (commits[-1] - commits[0]) / (len(commits) - 1) / llm.engine.config.decode_steps
+    step = (commits[-1] - commits[0]) / (len(commits) - 1) / llm.engine.layout.decode_steps
     return float(step), llm.engine.compile_count() - before
 
 
 def bare_step_s(llm: jinfer.LLM, slots: int, prompt_len: int) -> float:
     """Back-to-back calls of the decode the engine used, on its cache and state (left where the
     engine's requests ended; positions keep advancing inside the cache, which is long enough)."""
-    steps = llm.engine.config.decode_steps
+    steps = llm.engine.layout.decode_steps
     # The bucket the engine attended over for most of its run (its last requests' reach).
     reach = prompt_len + TOKENS + 2 * steps + 1
     time_decode_calls(llm.engine, slots, reach, 1)  # the first call after the engine's own waits

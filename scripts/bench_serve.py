@@ -10,15 +10,15 @@ throughput at concurrency 8. Clients are the official `openai` package with `ign
 output length and `stream_options.include_usage` giving the token counts. Clients and server
 share this machine's cores, as any loopback benchmark does.
 
-    python scripts/bench_serve.py [--configs 4:512,1:64,1:64:4:0,1:64:4] [--tokens 64] [--out results]
+    python scripts/bench_serve.py [--configs 1:64:4,4:512] [--tokens 64] [--out results]
 
 Each config is decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]
-(mixed 0 and packed weights 1 when left out). The defaults compare the throughput setting (the
-`make serve` preset's 4 decode steps per dispatch, all waiting prompts prefilled at once, packed
-weights), a latency setting (one step per dispatch, at most 64 prompt tokens between two decode
-steps), mixed prefill on XLA's products (while others stream, prompts ride along the decode steps
-4+ tokens at a time, filling the step's 8-column tiles) and mixed prefill with packed weights, as
-`configs/smollm2-latency.toml` sets it.
+(mixed 0 and packed weights 1 when left out). The defaults compare `jinfer serve`'s own settings
+(one decode step per dispatch, so every token is sent as it is sampled; prompts that arrive while
+others stream ride along the decode steps 4+ tokens at a time) with the `throughput` preset (4
+decode steps per dispatch, tokens in bursts of 4, waiting prompts prefilled in dispatches of their
+own); both with packed weights. `1:64` (one step, no mixing) and `1:64:4:0` (mixing on XLA's
+products) are the other settings worth a look.
 
 Writes results/bench_serve.{json,md,png}.
 """
@@ -72,7 +72,7 @@ def free_port() -> int:
 
 
 def start_server(port: int, setting: dict) -> subprocess.Popen:
-    command = [sys.executable, "-m", "jinfer.cli", "serve", "--config", "configs/smollm2.toml"]
+    command = [sys.executable, "-m", "jinfer.cli", "serve"]
     command += ["--port", str(port), *SERVER_FLAGS]
     for name, value in setting.items():
         command += ["--" + name.replace("_", "-"), str(value).lower()]
@@ -85,7 +85,7 @@ def start_server(port: int, setting: dict) -> subprocess.Popen:
             log.seek(0)
             raise RuntimeError(f"server exited: {log.read()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
@@ -186,7 +186,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--configs",
-        default="4:512,1:64,1:64:4:0,1:64:4",
+        default="1:64:4,4:512",
         help="decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]",
     )
     parser.add_argument("--concurrency", default="1,2,4,8,16")

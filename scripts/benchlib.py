@@ -109,7 +109,7 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
         cache, state, out = decode(engine.params, cache, state, active, np.False_)
     out.tokens.block_until_ready()
     engine.cache, engine.state = cache, state
-    return (time.perf_counter() - start) / (calls * engine.config.decode_steps)
+    return (time.perf_counter() - start) / (calls * engine.layout.decode_steps)
 
 
 def matrix_params(params) -> tuple[int, int]:

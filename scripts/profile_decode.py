@@ -106,7 +106,7 @@ def profile(slots: int, packed_weights: bool) -> dict:
     engine = llm.engine
     # The bucket holding every position the profiled calls reach: the requests' own, then
     # 2 + 2 * CALLS more dispatches of decode_steps positions each.
-    reach = len(llm.tokenizer.encode(PROMPT)) + 32 + (2 + 2 * CALLS) * engine.config.decode_steps
+    reach = len(llm.tokenizer.encode(PROMPT)) + 32 + (2 + 2 * CALLS) * engine.layout.decode_steps
     bucket = engine.steps.attention_bucket(reach)
     decode = engine.steps.decode[slots, bucket]
     active = jnp.ones((slots,), bool)
@@ -124,7 +124,7 @@ def profile(slots: int, packed_weights: bool) -> dict:
     run(2)
     start = time.perf_counter()
     run(CALLS)
-    step_s = (time.perf_counter() - start) / (CALLS * engine.config.decode_steps)
+    step_s = (time.perf_counter() - start) / (CALLS * engine.layout.decode_steps)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             run(CALLS)
@@ -132,7 +132,7 @@ def profile(slots: int, packed_weights: bool) -> dict:
         with gzip.open(path) as f:
             events = json.load(f)["traceEvents"]
     engine.cache, engine.state = cache, state
-    per_step = CALLS * engine.config.decode_steps
+    per_step = CALLS * engine.layout.decode_steps
     by_scope, by_op = collections.Counter(), collections.Counter()
     for event in events:
         if event.get("ph") == "X" and event["name"] in scopes:

@@ -13,7 +13,6 @@ the handlers. The app never touches a slot or a device array: it talks to the en
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
@@ -27,16 +26,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from jinfer.context import ContextLengthError, fit_conversation
 from jinfer.engine import Engine
 from jinfer.metrics import ServingMetrics
+from jinfer.prepare import ContextLengthError, PreparedRequest, RequestError, check_messages, check_text
 from jinfer.scheduler import QueueFullError
-from jinfer.tokenizer import TokenizerError
-from serve.bridge import EngineBridge
-from serve.protocol import (
+
+from .bridge import EngineBridge
+from .protocol import (
     APIError,
     GenerationRequest,
-    choice_sampling,
     format_logprobs,
     new_id,
     now,
@@ -45,20 +43,9 @@ from serve.protocol import (
     timings,
     usage,
 )
+from .settings import ServerConfig
 
 log = logging.getLogger("jinfer.serve")
-
-
-@dataclasses.dataclass
-class ServerSettings:
-    served_model_name: str = "jinfer"
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
-    max_body_bytes: int = 4 * 2**20
-    stream_max_tokens: int = 1  # tokens coalesced per SSE event (1: each token as it arrives)
-    stream_max_delay_ms: float = 0.0  # ... or until this long after the first buffered token
-    keepalive_s: float = 15.0  # SSE comment after this much silence
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish
-    retry_after_s: int = 1  # Retry-After on 429
 
 
 OPEN_PATHS = {b"/health", b"/ready"}  # exact raw paths that need no API key
@@ -108,10 +95,15 @@ def _error_response(error: APIError) -> JSONResponse:
 class JinferAPI:
     """Route handlers over one engine."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings):
+    def __init__(
+        self, engine: Engine, settings: ServerConfig, model_name: str, api_keys: tuple[str, ...] = ()
+    ):
         self.engine = engine
         self.settings = settings
+        self.model_name = model_name
+        self.api_keys = api_keys
         self.tokenizer = engine.tokenizer
+        self.preparer = engine.preparer
         self.bridge: EngineBridge | None = None  # created on the event loop at startup
         self.metrics = ServingMetrics(engine.stats, lambda: engine.dispatch_counts)
         self.ready = False
@@ -119,8 +111,19 @@ class JinferAPI:
 
     # ------------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
+        """Create the bridge and start the warm-up in the background: the server answers at once
+        (/health 200, /ready and generation 503) and serves once every step is compiled."""
         self.bridge = EngineBridge(self.engine, self.metrics.observe_finished)
-        seconds = await asyncio.to_thread(self.engine.warmup)
+        self._warmup = asyncio.create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        try:
+            seconds = await asyncio.to_thread(self.engine.warmup)
+        except Exception:
+            log.exception("warm-up failed; the server stays unready")
+            return
+        if self.draining:
+            return
         self.engine.start()
         self.ready = True
         log.info("warm-up took %.1f s; %d compiled programs; ready", seconds, self.engine.compile_count())
@@ -133,7 +136,7 @@ class JinferAPI:
         """Stop admitting, let running requests finish up to the timeout, then abort the rest."""
         self.draining = True
         log.info("draining: %d requests in flight", len(self.bridge.in_flight))
-        if not await self.bridge.wait_idle(self.settings.drain_timeout_s):
+        if not await self.bridge.wait_idle(self.settings.drain_timeout):
             log.info("drain timeout: aborting %d requests", len(self.bridge.in_flight))
             self.bridge.cancel_all()
             await self.bridge.wait_idle(10.0)
@@ -161,51 +164,44 @@ class JinferAPI:
         return parse_json_object(b"".join(chunks))
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
+        if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
 
-    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
-        max_seq_len = self.engine.config.max_seq_len
+    def _prepare(self, req: GenerationRequest) -> PreparedRequest:
         try:
             if req.kind == "chat":
-                if self.tokenizer.chat_template is None:
-                    raise APIError(400, "this model has no chat template; use /v1/completions")
-                policy = req.context_policy or self.engine.config.context_policy
-                ids, _, _ = fit_conversation(
-                    self.tokenizer, req.messages, req.sampling.max_tokens, max_seq_len, policy
+                return self.preparer.prepare(
+                    messages=req.messages, sampling=req.sampling, context_policy=req.context_policy
                 )
-                return ids
-            if isinstance(req.prompt, str):
-                return self.tokenizer.encode(req.prompt)
-            return list(req.prompt)
+            return self.preparer.prepare(req.prompt, sampling=req.sampling, context_policy=req.context_policy)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
-        except TokenizerError as e:
-            raise APIError(400, str(e), param="messages") from None
+            param = "messages" if req.kind == "chat" else "prompt"
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     def _open_all(self, req: GenerationRequest, queue: asyncio.Queue) -> tuple[list[str], list[int]]:
-        """Submit the n choices; on any failure cancel the ones already submitted."""
-        prompt_ids = self._prompt_ids(req)
-        policy = "error" if req.context_policy == "drop_oldest" else req.context_policy
+        """Submit the n choices; on any failure cancel the ones already submitted. Choice i of n
+        gets seed + i, so seeded n > 1 requests give n different, reproducible answers."""
+        prepared = self._prepare(req)
+        seed = prepared.sampling.seed
         opened: list[str] = []
         try:
             for index in range(req.n):
-                sampling = choice_sampling(req, index)
-                opened.append(self.bridge.open(prompt_ids, sampling, queue, index, policy))
-        except Exception as e:
+                choice = prepared if seed is None or index == 0 else prepared.with_seed(seed + index)
+                opened.append(self.bridge.open(choice, queue, index))
+        except QueueFullError as e:
             for request_id in opened:
                 self.bridge.cancel(request_id)
-            if isinstance(e, QueueFullError):
-                self.metrics.rejected.inc()
-                raise APIError(
-                    429, str(e), code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)}
-                ) from None
-            if isinstance(e, ContextLengthError):
-                raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
-            if isinstance(e, ValueError):
-                raise APIError(400, str(e)) from None
+            self.metrics.rejected.inc()
+            raise APIError(
+                429, str(e), code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)}
+            ) from None
+        except BaseException:
+            for request_id in opened:
+                self.bridge.cancel(request_id)
             raise
-        return opened, prompt_ids
+        return opened, prepared.prompt_ids
 
     # ------------------------------------------------------------------------ handlers
     async def health(self, request: Request) -> Response:
@@ -218,11 +214,11 @@ class JinferAPI:
 
     async def models(self, request: Request) -> Response:
         card = {
-            "id": self.settings.served_model_name,
+            "id": self.model_name,
             "object": "model",
             "created": now(),
             "owned_by": "jinfer",
-            "max_model_len": self.engine.config.max_seq_len,
+            "max_model_len": self.preparer.max_seq_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -234,24 +230,22 @@ class JinferAPI:
         self._check_model(body.get("model"))
         try:
             if "messages" in body:
-                messages = body["messages"]
-                if not isinstance(messages, list):
-                    raise APIError(400, "'messages' must be a list", param="messages")
                 add_prompt = body.get("add_generation_prompt", True)
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_prompt, tokenize=True
-                )
+                if not isinstance(add_prompt, bool):
+                    raise RequestError("add_generation_prompt must be true or false", "add_generation_prompt")
+                ids = self.preparer.chat_ids(check_messages(body["messages"]), add_prompt)
             elif isinstance(body.get("prompt"), str):
+                add_special = body.get("add_special_tokens", True)
+                if not isinstance(add_special, bool):
+                    raise RequestError("add_special_tokens must be true or false", "add_special_tokens")
                 ids = self.tokenizer.encode(
-                    body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True
+                    check_text(body["prompt"], "prompt"), add_special_tokens=add_special
                 )
             else:
-                raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
-        except TokenizerError as e:
-            raise APIError(400, str(e)) from None
-        return JSONResponse(
-            {"tokens": ids, "count": len(ids), "max_model_len": self.engine.config.max_seq_len}
-        )
+                raise RequestError("give 'prompt' (a string) or 'messages'", "prompt")
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.preparer.max_seq_len})
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._body(request)
@@ -335,7 +329,7 @@ class JinferAPI:
             "id": new_id(req.kind),
             "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": now(),
-            "model": self.settings.served_model_name,
+            "model": self.model_name,
             "choices": body_choices,
             "usage": usage(_prompt_tokens(choices[0]["final"], prompt_ids), completion_tokens),
             "jinfer": {"timings": [timings(c["final"].metrics) for c in choices]},
@@ -349,7 +343,6 @@ class JinferAPI:
 
     async def _sse(self, req, queue, request_ids, prompt_ids):
         """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
-        settings = self.settings
         response_id, created = new_id(req.kind), now()
         kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
@@ -378,7 +371,7 @@ class JinferAPI:
                 "id": response_id,
                 "object": kind,
                 "created": created,
-                "model": settings.served_model_name,
+                "model": self.model_name,
             }
             body["choices"] = [choice]
             if req.include_usage:
@@ -422,7 +415,7 @@ class JinferAPI:
                     "id": response_id,
                     "object": kind,
                     "created": created,
-                    "model": settings.served_model_name,
+                    "model": self.model_name,
                     "choices": [],
                     "usage": usage(prompt_tokens, completion_tokens),
                     "jinfer": {"timings": timing_list},
@@ -542,9 +535,14 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def build_app(engine: Engine, settings: ServerSettings | None = None) -> tuple[Starlette, JinferAPI]:
-    settings = settings or ServerSettings()
-    api = JinferAPI(engine, settings)
+def build_app(
+    engine: Engine,
+    settings: ServerConfig | None = None,
+    model_name: str = "jinfer",
+    api_keys: tuple[str, ...] = (),
+) -> tuple[Starlette, JinferAPI]:
+    settings = settings or ServerConfig()
+    api = JinferAPI(engine, settings, model_name, api_keys)
 
     async def api_error(request, exc: APIError):
         return _error_response(exc)
@@ -582,5 +580,5 @@ def build_app(engine: Engine, settings: ServerSettings | None = None) -> tuple[S
         lifespan=lifespan,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected},
     )
-    app.add_middleware(AuthMiddleware, keys=settings.api_keys)
+    app.add_middleware(AuthMiddleware, keys=api_keys)
     return app, api

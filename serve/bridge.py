@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jinfer.engine import Engine
-from jinfer.sampling import SamplingParams
+from jinfer.prepare import PreparedRequest
 from jinfer.scheduler import RequestOutput
 
 
@@ -25,21 +25,14 @@ class EngineBridge:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def open(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        queue: asyncio.Queue,
-        tag: object = None,
-        context_policy: str | None = None,
-    ) -> str:
-        """Submit; events arrive on `queue` as (tag, RequestOutput). Raises ValueError / QueueFullError."""
+    def open(self, prepared: PreparedRequest, queue: asyncio.Queue, tag: object = None) -> str:
+        """Submit; events arrive on `queue` as (tag, RequestOutput). Raises QueueFullError."""
         loop = asyncio.get_running_loop()
 
         def sink(event: RequestOutput) -> None:
             loop.call_soon_threadsafe(self._deliver, queue, tag, event)
 
-        request = self.engine.submit(prompt_ids, sampling, sink, context_policy=context_policy)
+        request = self.engine.submit(prepared, sink)
         self.in_flight.add(request.request_id)
         self._idle.clear()
         return request.request_id

@@ -1,11 +1,16 @@
-"""`jinfer serve`: load a model, build the engine and the app, run uvicorn, drain on SIGTERM.
+"""`jinfer serve`: bind the port, load the model, build the engine and the app, serve while the
+engine warms up in the background, drain on SIGTERM.
 
-Every flag can also be set in a TOML file given with `--config` (same names, underscores);
-flags on the command line win. The API key comes from --api-key, --api-key-file or JINFER_API_KEY.
+Settings, lowest first: each field's default (`ServerConfig`; `EngineConfig` with the server's own
+`SERVING_DEFAULTS` for streaming), the model's preset
+(`jinfer/presets`, matched by model file name), the TOML file or preset named by `--config`, then
+command-line flags. The API key comes from --api-key, --api-key-file or JINFER_API_KEY.
 
-SIGTERM (or Ctrl-C): /ready and new requests answer 503, running requests get up to
---drain-timeout seconds to finish, the rest end with finish_reason "abort", then the process exits.
-A second signal exits at once.
+Start-up: the port is bound first (a taken port fails at once, before any loading); once the model
+is loaded the server answers at once, `/ready` and generation requests with 503 until the warm-up
+has compiled every step, then serving. SIGTERM (or Ctrl-C): /ready and new requests answer 503,
+running requests get up to --drain-timeout seconds to finish, the rest end with finish_reason
+"abort", then the process exits. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -14,109 +19,104 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 import time
-import tomllib
+from typing import Any
 
 import uvicorn
 
 from jinfer.config import EngineConfig
+from jinfer.options import add_flags, check_keys, given, preset_names, read_toml, typed
+
+from .settings import ServerConfig
 
 log = logging.getLogger("jinfer.serve")
 
 # How long an idle keep-alive connection stays open: longer than the 5 s for which the official
 # openai client (httpx) reuses one. At uvicorn's default, also 5 s, the server can close a
 # connection just as the client sends a request on it, and that request fails with a connection
-# error (bench_serve, whose client does not retry, once failed so in its Poisson arrivals).
+# error.
 IDLE_CONNECTION_S = 30
 
-# flag -> (type, default, help); the TOML file uses the same names.
-SERVER_OPTIONS = {
-    "model": (str, None, "HF directory, .gguf file or jinfer checkpoint (default: embedded SmolLM2)"),
-    "host": (str, "127.0.0.1", "address to listen on"),
-    "port": (int, 8000, "port to listen on"),
-    "served_model_name": (str, None, "model name clients use (default: derived from --model)"),
-    "api_key": (str, None, "require this bearer key (also --api-key-file, env JINFER_API_KEY)"),
-    "api_key_file": (str, None, "file holding the API key"),
-    "max_body_bytes": (int, 4 * 2**20, "largest request body accepted (413 beyond)"),
-    "stream_max_tokens": (int, 1, "coalesce up to N tokens per SSE event"),
-    "stream_max_delay_ms": (float, 0.0, "... or until M ms after the first buffered token"),
-    "keepalive_s": (float, 15.0, "SSE keep-alive comment after this much silence"),
-    "drain_timeout": (float, 30.0, "seconds running requests may finish after SIGTERM"),
-    "log_level": (str, "info", "logging level"),
-}
-
-
-def _on_off(text: str) -> bool:
-    if text.lower() in ("true", "on", "yes", "1"):
-        return True
-    if text.lower() in ("false", "off", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-ENGINE_OPTIONS = {
-    "max_slots": (int, "concurrent sequences (slots)"),
-    "max_seq_len": (int, "tokens per slot (prompt + output)"),
-    "max_queue": (int, "waiting requests before 429"),
-    "decode_steps": (int, "decode steps per device dispatch"),
-    "prefill_token_budget": (int, "prompt tokens prefilled per engine iteration"),
-    "mixed_prefill_tokens": (
-        int,
-        "prompt tokens carried by each decode dispatch while others stream (0: off)",
-    ),
-    "dtype": (str, "float32 | bfloat16 | float16"),
-    "mesh_data": (int, "devices on the data axis"),
-    "mesh_model": (int, "devices on the model axis"),
-    "context_policy": (str, "error | truncate | drop_oldest"),
-    "packed_weights": (
-        _on_off,
-        "true | false: a packed copy of the weights for faster CPU decode (float32, one device)",
-    ),
-}
+# A server streams to people: one decode step per dispatch, so each token is sent as it is
+# sampled (EngineConfig's 4 steps per dispatch suit offline batches and arrive in bursts of 4), and
+# prompts that arrive while others stream are prefilled 4+ tokens at a time inside the decode
+# steps, so they never stall the running streams for a whole prefill dispatch. Measured on the
+# embedded model, with reasons: docs/performance.md ("Serving"). The `throughput` preset goes back
+# to EngineConfig's defaults.
+SERVING_DEFAULTS = {"decode_steps": 1, "prefill_token_budget": 64, "mixed_prefill_tokens": 4}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jinfer serve", description="OpenAI-compatible jinfer server")
-    parser.add_argument("--config", help="TOML file with any of the options below")
-    for name, (kind, _, text) in SERVER_OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
-    for name, (kind, text) in ENGINE_OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
-    parser.add_argument("--prefill-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    parser.add_argument(
+        "--config",
+        metavar="FILE|PRESET",
+        help="a TOML file of these settings (names with underscores; `[sampling]`: the model's "
+        f"sampling defaults), or a preset shipped with jinfer: {', '.join(preset_names())}",
+    )
+    add_flags(parser, ServerConfig, title="server")
+    add_flags(parser, EngineConfig, title="engine", defaults=SERVING_DEFAULTS)
     return parser
 
 
-def resolve_options(args: argparse.Namespace) -> dict:
-    """Defaults, then the TOML file, then command-line flags."""
-    options = {name: default for name, (_, default, _) in SERVER_OPTIONS.items()}
-    if args.config:
-        with open(args.config, "rb") as f:
-            from_file = tomllib.load(f)
-        known = set(SERVER_OPTIONS) | set(ENGINE_OPTIONS) | {"prefill_buckets"}
-        unknown = sorted(set(from_file) - known)
-        if unknown:
-            raise ValueError(f"{args.config}: unknown options {unknown}")
-        options.update(from_file)
-    options.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
-    return options
+def resolve_options(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig, dict[str, Any]]:
+    """(server settings, engine settings, sampling defaults from --config) in the order above,
+    the serving defaults (SERVING_DEFAULTS) standing in for EngineConfig's own."""
+    from jinfer.presets import model_preset
+    from jinfer.weights import default_model_path
+
+    from_file = read_toml(args.config) if args.config else {}
+    check_keys(from_file, args.config, ServerConfig, EngineConfig, extra=("model_file", "sampling"))
+    chosen = {**from_file, **given(args, ServerConfig), **given(args, EngineConfig)}
+    preset = model_preset(chosen.get("model") or default_model_path())
+    merged = {**SERVING_DEFAULTS, **preset, **chosen}
+    sampling = from_file.get("sampling", {})
+    if not isinstance(sampling, dict):
+        raise ValueError(f"{args.config}: [sampling] must be a table")
+    return ServerConfig(**typed(merged, ServerConfig)), EngineConfig(**typed(merged, EngineConfig)), sampling
 
 
-def _api_keys(options: dict) -> tuple[str, ...]:
-    key = options.get("api_key") or os.environ.get("JINFER_API_KEY")
-    if options.get("api_key_file"):
-        with open(options["api_key_file"], encoding="utf-8") as f:
+def api_keys(server: ServerConfig) -> tuple[str, ...]:
+    key = server.api_key or os.environ.get("JINFER_API_KEY")
+    if server.api_key_file:
+        with open(server.api_key_file, encoding="utf-8") as f:
             key = f.read().strip()
     return (key,) if key else ()
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before shutting down."""
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, so that a port in use is an error before anything is loaded."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
-    def __init__(self, config: uvicorn.Config, api):
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that says when it listens and whose first SIGTERM/SIGINT drains the engine."""
+
+    def __init__(self, config: uvicorn.Config, api, url: str):
         super().__init__(config)
-        self.api = api
+        self.api, self.url = api, url
         self._drain_task = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info(
+                "listening on %s (API key %s); /ready answers 503 until warm",
+                self.url,
+                "on" if self.api.api_keys else "off",
+            )
 
     def handle_exit(self, sig, frame) -> None:
         if self._drain_task is not None or not self.api.ready:
@@ -129,77 +129,69 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def served_name(server: ServerConfig, model_path: str) -> str:
+    from jinfer.presets import model_preset
+
+    if server.served_model_name:
+        return server.served_model_name
+    preset = model_preset(model_path).get("served_model_name")
+    return preset or os.path.basename(os.path.normpath(model_path)).removesuffix(".gguf")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        options = resolve_options(args)
-        engine_options = {
-            k: options[k] for k in (*ENGINE_OPTIONS, "prefill_buckets") if options.get(k) is not None
-        }
-        engine_config = EngineConfig(**engine_options)
-        keys = _api_keys(options)
-    except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
+        server, engine_config, sampling = resolve_options(args)
+        keys = api_keys(server)
+    except (ValueError, OSError) as e:
         print(f"jinfer serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=options["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        sock = bind(server.host, server.port)
+    except OSError as e:
+        print(
+            f"jinfer serve: error: cannot listen on {server.host}:{server.port}: {e.strerror or e}",
+            file=sys.stderr,
+        )
+        return 2
 
     from jinfer.engine import Engine
     from jinfer.weights import default_model_path, load_model
-    from serve.app import ServerSettings, build_app
 
-    model_path = options["model"] or default_model_path()
+    from .app import build_app
+
+    model_path = server.model or default_model_path()
     start = time.perf_counter()
     try:
         loaded = load_model(model_path)
+        loaded.generation_defaults.update(sampling)
         engine = Engine(loaded, engine_config)
     except (ValueError, OSError) as e:
         print(f"jinfer serve: error: {e}", file=sys.stderr)
         return 2
-    name = options["served_model_name"] or os.path.basename(os.path.normpath(model_path)).removesuffix(
-        ".gguf"
-    )
-    cfg = engine.config
+    name = served_name(server, model_path)
     log.info(
-        "model %s (%s, %d layers) loaded in %.1f s as '%s'",
+        "model %s (%s, %d layers) loaded in %.1f s as '%s'; sampling defaults %s",
         model_path,
         loaded.config.architecture,
         loaded.config.num_layers,
         time.perf_counter() - start,
         name,
+        engine.preparer.sampling(None),
     )
-    log.info(
-        "%d slots x %d tokens, KV cache %.0f MiB (%s), queue %d",
-        cfg.max_slots,
-        cfg.max_seq_len,
-        engine.cache_bytes / 2**20,
-        cfg.dtype,
-        cfg.max_queue,
-    )
-    settings = ServerSettings(
-        served_model_name=name,
-        api_keys=keys,
-        max_body_bytes=options["max_body_bytes"],
-        stream_max_tokens=options["stream_max_tokens"],
-        stream_max_delay_ms=options["stream_max_delay_ms"],
-        keepalive_s=options["keepalive_s"],
-        drain_timeout_s=options["drain_timeout"],
-    )
-    app, api = build_app(engine, settings)
+    app, api = build_app(engine, server, name, keys)
     config = uvicorn.Config(
         app,
-        host=options["host"],
-        port=options["port"],
-        log_level=options["log_level"],
+        log_level=server.log_level,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=IDLE_CONNECTION_S,
         ws="websockets-sansio",
     )
-    log.info(
-        "listening on http://%s:%d (API key %s)", options["host"], options["port"], "on" if keys else "off"
-    )
-    DrainingServer(config, api).run()
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    DrainingServer(config, api, f"http://{host}:{sock.getsockname()[1]}").run(sockets=[sock])
     return 0
 
 

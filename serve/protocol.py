@@ -1,19 +1,20 @@
 """OpenAI request bodies in, validated jinfer requests out; jinfer results in, OpenAI bodies out.
 
-Everything a client sends is checked here before it reaches the engine: types, ranges, NaN, the
-model name. A failure is an `APIError` carrying the HTTP status and OpenAI's error shape.
+Bodies are checked here for what is HTTP's own (JSON that parses, depth, text strings, field types
+and OpenAI's spellings); `SamplingParams` and the request-preparation path (`jinfer.prepare`) check
+the rest as they do for every door. A failure is an `APIError` carrying the HTTP status and
+OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 import uuid
 from typing import Any
 
-from jinfer.sampling import SamplingParams
+from jinfer.sampling import RequestError, SamplingParams
 
 MAX_N = 4
 
@@ -30,14 +31,12 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return {
-            400: "invalid_request_error",
-            401: "authentication_error",
-            404: "not_found_error",
-            413: "invalid_request_error",
-            429: "rate_limit_error",
-            503: "service_unavailable",
-        }.get(self.status, "server_error")
+        named = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+        if self.status in named:
+            return named[self.status]
+        if self.status == 503:
+            return "service_unavailable"
+        return "invalid_request_error" if self.status < 500 else "server_error"
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -47,33 +46,64 @@ def _reject_constant(name: str):
     raise APIError(400, f"invalid JSON: {name} is not a number JSON allows", code="invalid_json")
 
 
+MAX_JSON_DEPTH = 64  # deeper bodies are refused: no OpenAI field nests anywhere near this
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Strict JSON (no NaN / Infinity) that must be an object."""
+    """Strict JSON (no NaN / Infinity) that must be an object, at most MAX_JSON_DEPTH deep, whose
+    strings are all text (no lone UTF-16 surrogates): anything else is a 400."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise APIError(
+            400, f"invalid JSON body: nested deeper than {MAX_JSON_DEPTH}", code="invalid_json"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and integers past 4300 digits
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(
             400, f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_body"
         )
+    _check_values(body)
     return body
 
 
+def _check_values(body: dict[str, Any]) -> None:
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(
+                400, f"invalid JSON body: nested deeper than {MAX_JSON_DEPTH}", code="invalid_json"
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_string(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _check_string(value)
+
+
+def _check_string(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(
+            400,
+            "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+            code="invalid_json",
+        ) from None
+
+
 # ------------------------------------------------------------------------------ field checks
-def _number(body, name, default, *, low=None, high=None, low_open=False, integer=False):
-    value = body.get(name, default)
+def _integer(body, name, default, *, low, high):
+    value = body.get(name)
     if value is None:
         return default
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", param=name)
-    if not math.isfinite(value):
-        raise APIError(400, f"'{name}' must be finite", param=name)
-    if low is not None and (value <= low if low_open else value < low):
-        raise APIError(400, f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}", param=name)
-    if high is not None and value > high:
-        raise APIError(400, f"'{name}' must be <= {high}, got {value}", param=name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise APIError(400, f"'{name}' must be an integer in [{low}, {high}]", param=name)
     return value
 
 
@@ -97,18 +127,8 @@ def _string_list(body, name) -> list[str] | None:
     return [s for s in value if s]
 
 
-def _int_list(body, name) -> list[int] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
-        raise APIError(400, f"'{name}' must be a list of non-negative integers", param=name)
-    return value
-
-
-def _logit_bias(body) -> dict[int, float] | None:
+def _logit_bias(body) -> dict[int, Any] | None:
+    """Token-id keys (JSON object keys are strings) -> biases, checked by SamplingParams."""
     value = body.get("logit_bias")
     if value is None:
         return None
@@ -116,29 +136,21 @@ def _logit_bias(body) -> dict[int, float] | None:
         raise APIError(400, "'logit_bias' must be an object of token id -> bias", param="logit_bias")
     out = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise APIError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
-        if (
-            token < 0
-            or isinstance(bias, bool)
-            or not isinstance(bias, int | float)
-            or not math.isfinite(bias)
-        ):
-            raise APIError(400, f"'logit_bias' entry {key!r}: {bias!r} is invalid", param="logit_bias")
-        out[token] = float(max(-100.0, min(100.0, bias)))
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise APIError(400, f"'logit_bias' key {key[:20]!r} is not a token id", param="logit_bias")
+        out[int(key)] = bias
     return out
 
 
 @dataclasses.dataclass
 class GenerationRequest:
-    """A validated completions or chat request."""
+    """A completions or chat request, its fields checked for type; the request-preparation path
+    (`jinfer.prepare`) checks the rest (messages, ranges, the model's limits)."""
 
     kind: str  # "completion" | "chat"
     model: str | None
     prompt: str | list[int] | None  # completions
-    messages: list[dict[str, Any]] | None  # chat
+    messages: Any  # chat
     sampling: SamplingParams
     n: int
     stream: bool
@@ -147,6 +159,25 @@ class GenerationRequest:
     top_logprobs: int | None  # None: no logprobs
     context_policy: str | None
     user: str | None
+
+
+# Body fields passed to SamplingParams as they are (it checks their types and ranges).
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+)
+
+# OpenAI's legacy completions endpoint defines max_tokens=16 when a request leaves it out; chat
+# (and every other door of jinfer) runs to a stop or the end of the context window.
+LEGACY_COMPLETIONS_MAX_TOKENS = 16
 
 
 def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
@@ -158,37 +189,30 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt")
-        elif not isinstance(prompt, str):
+        valid_ids = (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        )
+        if not (isinstance(prompt, str) or valid_ids):
             raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt")
     else:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages' must be a non-empty list", param="messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(400, "each message needs a string 'role'", param="messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: only text is supported
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise APIError(400, "only text content parts are supported", param="messages")
-                m["content"] = "".join(p.get("text", "") for p in content)
-            elif not isinstance(m.get("content"), str):
-                raise APIError(400, "each message needs string 'content'", param="messages")
-
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, low=1, integer=True)
-    n = _number(body, "n", 1, low=1, high=MAX_N, integer=True)
+    if max_tokens is None and kind == "completion":
+        max_tokens = LEGACY_COMPLETIONS_MAX_TOKENS
+    n = _integer(body, "n", 1, low=1, high=MAX_N)
     if kind == "completion":
-        logprobs = _number(body, "logprobs", None, low=0, high=20, integer=True)
+        logprobs = _integer(body, "logprobs", None, low=0, high=20)
     else:
         want = _bool(body, "logprobs")
-        top = _number(body, "top_logprobs", 0, low=0, high=20, integer=True)
+        top = _integer(body, "top_logprobs", 0, low=0, high=20)
         logprobs = top if want else None
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(stream_options or {}, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
     policy = body.get("context_policy", "truncate" if body.get("truncate_prompt_tokens") else None)
     if policy not in (None, "error", "truncate", "drop_oldest"):
@@ -196,26 +220,19 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise APIError(400, "'user' must be a string", param="user")
+    top_k = body.get("top_k")
+    fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0, low=0),
-            top_p=_number(body, "top_p", 1.0, low=0, low_open=True, high=1),
-            top_k=max(0, _number(body, "top_k", 0, low=-1, integer=True)),  # -1 means off, as in vLLM
-            min_p=_number(body, "min_p", 0.0, low=0, high=1),
-            presence_penalty=_number(body, "presence_penalty", 0.0, low=-2, high=2),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2, high=2),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0, low_open=True),
+            top_k=0 if top_k == -1 else top_k,  # -1 means off, as in vLLM
             logit_bias=_logit_bias(body),
-            seed=_number(body, "seed", None, low=0, integer=True),
             stop=_string_list(body, "stop"),
-            stop_token_ids=_int_list(body, "stop_token_ids"),
-            ignore_eos=_bool(body, "ignore_eos"),
-            min_tokens=_number(body, "min_tokens", 0, low=0, integer=True),
             logprobs=logprobs,
+            **fields,
         )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param) from None
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -223,20 +240,13 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
         messages=messages,
         sampling=sampling,
         n=n,
-        stream=_bool(body, "stream"),
-        include_usage=_bool(stream_options, "include_usage"),
+        stream=stream,
+        include_usage=_bool(stream_options or {}, "include_usage"),
         echo=_bool(body, "echo") if kind == "completion" else False,
         top_logprobs=logprobs,
         context_policy=policy,
         user=user,
     )
-
-
-def choice_sampling(req: GenerationRequest, index: int) -> SamplingParams:
-    """Choice i of n gets seed + i, so seeded n > 1 requests give n different, reproducible answers."""
-    if req.sampling.seed is None or index == 0:
-        return req.sampling
-    return dataclasses.replace(req.sampling, seed=req.sampling.seed + index)
 
 
 # ------------------------------------------------------------------------------ responses

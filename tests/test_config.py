@@ -90,31 +90,87 @@ def test_gguf_metadata_of_the_embedded_model(smollm2_path):
     assert cfg.eos_token_ids == (2,)
 
 
-def test_every_serve_preset_resolves_to_a_valid_engine_config():
+def _resolve(*flags):
+    from jinfer_serve.main import build_parser, resolve_options
+
+    return resolve_options(build_parser().parse_args(list(flags)))
+
+
+def test_every_preset_and_config_resolves_to_valid_settings():
     """Unknown options and invalid values would raise here, not when someone starts the server."""
     import glob
 
     from jinfer.config import EngineConfig
-    from serve.main import ENGINE_OPTIONS, build_parser, resolve_options
+    from jinfer.options import preset_names
 
-    engines = {}
-    for preset in sorted(glob.glob("configs/*.toml")):
-        options = resolve_options(build_parser().parse_args(["--config", preset]))
-        engines[preset] = EngineConfig(
-            **{k: options[k] for k in (*ENGINE_OPTIONS, "prefill_buckets") if k in options}
-        )
-    assert engines["configs/smollm2.toml"].mixed_prefill_tokens == 0  # `make serve`: throughput preset
-    assert (
-        engines["configs/smollm2.toml"].packed_weights and not engines["configs/qwen2.5.toml"].packed_weights
-    )
-    flags = ["--config", "configs/smollm2.toml", "--packed-weights", "off"]
-    assert resolve_options(build_parser().parse_args(flags))["packed_weights"] is False
-    with pytest.raises(ValueError, match="packed_weights must be true or false"):
+    sources = sorted(glob.glob("configs/*.toml")) + preset_names()
+    assert "throughput" in sources and len(sources) >= 5
+    resolved = {source: _resolve("--config", source) for source in sources}
+    server, engine, _ = resolved["throughput"]
+    assert engine == EngineConfig()  # the offline doors' defaults
+    assert server.served_model_name == "smollm2-135m-instruct"  # from the embedded model's preset
+    assert resolved["configs/qwen2.5.toml"][0].served_model_name == "qwen2.5-instruct"
+
+
+def test_settings_resolve_defaults_then_model_preset_then_config_then_flags(tmp_path):
+    from jinfer.config import EngineConfig
+    from jinfer_serve.main import SERVING_DEFAULTS
+
+    server, engine, sampling = _resolve()
+    assert engine == EngineConfig(**SERVING_DEFAULTS) and engine.packed_weights is None  # auto
+    assert engine.decode_steps == 1  # a server streams each token as it is sampled
+    assert server.served_model_name == "smollm2-135m-instruct" and server.port == 8000 and sampling == {}
+    config = tmp_path / "x.toml"
+    config.write_text('served_model_name = "mine"\nmax_slots = 4\n[sampling]\ntemperature = 0.5\n')
+    flags = ("--config", str(config), "--max-slots", "2", "--packed-weights", "off")
+    server, engine, sampling = _resolve(*flags)
+    assert (server.served_model_name, engine.max_slots, engine.packed_weights) == ("mine", 2, False)
+    assert sampling == {"temperature": 0.5}
+    assert _resolve("--packed-weights", "auto")[1].packed_weights is None
+    config.write_text("max_slotz = 4\n")
+    with pytest.raises(ValueError, match=r"unknown options \['max_slotz'\]"):
+        _resolve("--config", str(config))
+    with pytest.raises(ValueError, match="packed_weights must be true or false or auto"):
         EngineConfig(packed_weights="yes")
-    latency = engines["configs/smollm2-latency.toml"]
-    assert latency.decode_steps == 1 and latency.packed_weights
-    # Carried prompt chunks fill the kernel's first 8 columns; past them each column costs.
-    assert [latency.mixed_chunk_len(busy) for busy in (1, 4, 8)] == [7, 4, 4]
+
+
+def test_help_shows_every_setting_with_its_default(capsys):
+    import dataclasses
+
+    from jinfer.cli import build_parser
+    from jinfer.config import EngineConfig
+    from jinfer_serve.main import build_parser as serve_parser
+    from jinfer_serve.settings import ServerConfig
+
+    text = " ".join(serve_parser().format_help().split())  # argparse wraps to the terminal
+    for cls in (ServerConfig, EngineConfig):
+        for f in dataclasses.fields(cls):
+            assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "(default: 2048)" in text and "(default: auto)" in text and "(default: 127.0.0.1)" in text
+    assert "per device dispatch (lax.scan) (default: 1)" in text  # the server's own default
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "--max-tokens" in generate and "--seed" in generate
+    assert "--temperature" in generate and "--max-slots" in generate and "--packed-weights" in generate
+
+
+def test_mixed_chunk_sizes_follow_the_products_in_effect():
+    import dataclasses
+
+    from jinfer.config import EngineConfig
+    from jinfer.layout import resolve_layout
+
+    model = ModelConfig("llama", 320, 64, 128, 2, 4, 2, 16)
+    latency = resolve_layout(
+        EngineConfig(mixed_prefill_tokens=4, packed_weights=False),
+        model,
+        1,
+        cache_bytes_per_token=0,
+        weight_bytes=0,
+        available_bytes=0,
+    )
+    assert latency.max_seq_len == 2048 and not latency.packed_weights
     # XLA's products cost whole 8-column tiles: chunks fill them.
-    on_xla = EngineConfig(mixed_prefill_tokens=4)
-    assert [on_xla.mixed_chunk_len(busy) for busy in (1, 4, 8)] == [7, 4, 8]
+    assert [latency.mixed_chunk_len(busy) for busy in (1, 4, 8)] == [7, 4, 8]
+    # Carried prompt chunks fill the packed kernel's first 8 columns; past them each column costs.
+    packed = dataclasses.replace(latency, packed_weights=True)
+    assert [packed.mixed_chunk_len(busy) for busy in (1, 4, 8)] == [7, 4, 4]

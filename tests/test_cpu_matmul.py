@@ -85,6 +85,6 @@ def test_a_matmul_kernel_that_cannot_be_built_leaves_xla_products(tmp_path, monk
     monkeypatch.setattr(cpu_matmul, "available", lambda: False)
     llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=128, packed_weights=True)
     assert not any(isinstance(w, llama.PackedWeight) for w in vars(llm.engine.params.layers[0]).values())
-    assert llm.engine.config.packed_weights is False
+    assert llm.engine.layout.packed_weights is False and llm.engine.config.packed_weights is True
     out = llm.generate(["hello"], jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4

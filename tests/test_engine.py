@@ -9,9 +9,15 @@ import pytest
 from tiny import VOCAB
 
 import jinfer
-from jinfer.context import ContextLengthError
 from jinfer.models import llama
+from jinfer.prepare import ContextLengthError
 from jinfer.scheduler import QueueFullError
+
+
+def _submit(engine, prompt_ids, sampling, sink, **options):
+    """Submit token ids through the engine's request-preparation path, as every door does."""
+    return engine.submit(engine.preparer.prepare(prompt_ids, sampling=sampling), sink, **options)
+
 
 GREEDY = jinfer.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 SEEDED = jinfer.SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
@@ -131,12 +137,17 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
     first, near_end = _prompt(1, 10), _prompt(3, 97)
     outputs = {}
     sink = lambda name: lambda event: outputs.setdefault(name, []).extend(event.token_ids)
-    engine.submit(first, jinfer.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), sink("first"))
+    _submit(
+        engine, first, jinfer.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), sink("first")
+    )
     for _ in range(2):
         engine.step()
-    engine.submit(seeded_prompt, SEEDED, sink("seeded"))
-    engine.submit(
-        near_end, jinfer.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), sink("near_end")
+    _submit(engine, seeded_prompt, SEEDED, sink("seeded"))
+    _submit(
+        engine,
+        near_end,
+        jinfer.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+        sink("near_end"),
     )
     engine.run_until_idle()
     chunks_by_slot = {}
@@ -161,12 +172,15 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
 def test_cancel_frees_the_slot_within_one_step(llm):
     engine = llm.engine
     events = []
-    request = engine.submit(
-        _prompt(1, 10), jinfer.SamplingParams(max_tokens=100, ignore_eos=True), events.append
+    request = _submit(
+        engine, _prompt(1, 10), jinfer.SamplingParams(max_tokens=100, ignore_eos=True), events.append
     )
     other = []
-    engine.submit(
-        _prompt(2, 10), jinfer.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), other.append
+    _submit(
+        engine,
+        _prompt(2, 10),
+        jinfer.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        other.append,
     )
     for _ in range(3):
         engine.step()
@@ -186,10 +200,10 @@ def test_queue_full_rejects_and_accepted_requests_complete(tiny_model):
     finals = []
     sink = lambda e: finals.append(e) if e.finished else None
     sampling = jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    engine.submit([1, 2, 3], sampling, sink)
-    engine.submit([4, 5, 6], sampling, sink)
+    _submit(engine, [1, 2, 3], sampling, sink)
+    _submit(engine, [4, 5, 6], sampling, sink)
     with pytest.raises(QueueFullError, match="queue is full"):
-        engine.submit([7, 8, 9], sampling, sink)
+        _submit(engine, [7, 8, 9], sampling, sink)
     engine.run_until_idle()
     assert [e.finish_reason for e in finals] == ["length", "length"]
 
@@ -234,7 +248,7 @@ def test_stop_string_split_across_tokens_is_held_back_and_cut(llm):
     expected = free.text[: free.text.find(stop)]
     events = []
     sampling = jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
-    llm.engine.submit(_prompt(5, 9), sampling, events.append)
+    _submit(llm.engine, _prompt(5, 9), sampling, events.append)
     llm.engine.run_until_idle()
     streamed = "".join(e.text for e in events)
     assert streamed == expected and stop not in streamed
@@ -327,7 +341,7 @@ def test_background_loop_serves_submissions_from_other_threads(tiny_model):
 
             return sink
 
-        submit = lambda s: engine.submit(_prompt(s, 6), GREEDY, sink_for(s), block=True)
+        submit = lambda s: _submit(engine, _prompt(s, 6), GREEDY, sink_for(s), block=True)
         threads = [threading.Thread(target=submit, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
@@ -343,9 +357,9 @@ def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
     kernel's numbers are checked against the einsums in test_kv_cache (on a GPU, in bfloat16)."""
     from functools import partial
 
-    from jinfer import steps
+    from jinfer import layout
 
-    monkeypatch.setattr(steps, "attention_kernel", lambda engine, model, mesh: "gpu")
+    monkeypatch.setattr(layout, "attention_kernel", lambda *args: "gpu")
     monkeypatch.setattr(
         llama, "decode_attention_kernel", partial(llama.decode_attention_kernel, interpret=True)
     )
@@ -384,7 +398,7 @@ def test_no_decode_dispatch_computes_only_tokens_past_max_tokens(llm, monkeypatc
         monkeypatch.setitem(
             llm.engine.steps.decode, key, lambda *args, real=real: (calls.append(1), real(*args))[1]
         )
-    steps = llm.engine.config.decode_steps
+    steps = llm.engine.layout.decode_steps
     prompt = _prompt(5, 12)
     for max_tokens in (1, 2, steps + 1, 16):
         calls.clear()
@@ -414,7 +428,7 @@ def test_packed_weights_decode_the_same_tokens_and_logprobs(tiny_model, family, 
         cpu_matmul, "matmul", lambda *a, real=cpu_matmul.matmul: (traced.append(1), real(*a))[1]
     )
     packed = jinfer.LLM(tiny_model(family)[0], packed_weights=True, **options)
-    plain = jinfer.LLM(tiny_model(family)[0], **options)
+    plain = jinfer.LLM(tiny_model(family)[0], packed_weights=False, **options)
     assert isinstance(packed.engine.params.layers[0].w_down, llama.PackedWeight)
     assert not isinstance(plain.engine.params.layers[0].w_down, llama.PackedWeight)
     same_weights = jax.tree.map(np.array_equal, packed.params, plain.params)
@@ -431,12 +445,12 @@ def test_packed_weights_decode_the_same_tokens_and_logprobs(tiny_model, family, 
 def test_dispatch_counts_say_how_full_the_batches_ran(llm):
     engine = llm.engine
     before = dataclasses.asdict(engine.dispatch_counts)
-    steps = engine.config.decode_steps
+    steps = engine.layout.decode_steps
     sampling = jinfer.SamplingParams(max_tokens=1 + 2 * steps, temperature=0, ignore_eos=True)
     llm.generate([_prompt(7, 12), _prompt(8, 12)], sampling)
     counts = dataclasses.asdict(engine.dispatch_counts)
     delta = {name: counts[name] - before[name] for name in counts}
-    rows = engine.config.slot_bucket(2)
+    rows = engine.layout.slot_bucket(2)
     assert delta == {
         "prefill_dispatches": 2,
         "prefill_tokens": 24,

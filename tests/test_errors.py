@@ -136,12 +136,20 @@ def test_bad_prompts_and_sampling(tiny_model):
         llm.generate("just one string")
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         jinfer.SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match="top_p must be > 0"):
         jinfer.SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="finite"):
         jinfer.SamplingParams(temperature=float("nan"))
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer in \[1, 2147483647\]"):
         jinfer.SamplingParams(max_tokens=0)
+    # Past what the device's int32 arrays hold: refused before anything runs, on this door too.
+    for field, value in (("top_k", 2**31), ("min_tokens", 2**40), ("seed", 2**64), ("temperature", 10**400)):
+        with pytest.raises(ValueError, match=field):
+            jinfer.SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
+        llm.generate(["caf\udce9"])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role must be one of"):
+        llm.chat([[{"role": "wizard", "content": "hi"}]])
     # The same LLM still works after every rejection.
     (out,) = llm.generate([[1, 2, 3]], jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out.token_ids) == 4

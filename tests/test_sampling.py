@@ -13,7 +13,7 @@ LOGITS = jnp.asarray([[2.0, 1.0, 0.5, -1.0, 3.0]])  # best: 4, then 0, 1, 2, 3
 
 
 def _arrays(n=1, seed=0, **knobs):
-    return SamplingArrays.from_params([SamplingParams(**knobs)] * n, [seed] * n)
+    return SamplingArrays.from_params([SamplingParams(**knobs).resolve()] * n, [seed] * n)
 
 
 def _draws(knobs, n=400, logits=LOGITS):
@@ -59,7 +59,7 @@ def test_top_k_top_p_min_p_restrict_the_candidates():
 
 def test_same_seed_and_position_give_the_same_token_whatever_the_row():
     logits = jnp.repeat(LOGITS, 3, axis=0)
-    s = SamplingArrays.from_params([SamplingParams(temperature=1.0)] * 3, [7, 8, 7])
+    s = SamplingArrays.from_params([SamplingParams(temperature=1.0).resolve()] * 3, [7, 8, 7])
     positions = jnp.asarray([5, 5, 5])
     first = np.asarray(sample(logits, s, positions))
     assert first[0] == first[2]

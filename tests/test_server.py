@@ -504,7 +504,8 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model, tmp_path):
         "--drain-timeout",
         "3",
     ]
-    options += ["--stream-max-tokens", "4"]  # and the buffering policy: up to 4 tokens per event
+    # and the buffering policy: up to 4 tokens per event, from dispatches of 4 steps
+    options += ["--stream-max-tokens", "4", "--decode-steps", "4"]
     with running_server(str(model), *options) as (base, proc):
         short = {"prompt": "a", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         endless = {"prompt": "b", "max_tokens": 30000, "stream": True, "ignore_eos": True, "logprobs": 0}

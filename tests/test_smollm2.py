@@ -87,7 +87,7 @@ def test_gguf_tokenizer_splits_digits_like_llama_cpp(smollm2_llm):
 )
 def test_batch_invariance_on_smollm2(smollm2_llm, sampling):
     (alone,) = smollm2_llm.generate([PROMPT], sampling)
-    slots = smollm2_llm.engine.config.max_slots
+    slots = smollm2_llm.engine.layout.max_slots
     rng = np.random.RandomState(0)
     neighbours = [TEXTS[i % len(TEXTS)] * (1 + i % 3) for i in range(slots - 1)]
     neighbour_sampling = [

@@ -8,8 +8,9 @@ from tiny import train_tokenizer
 
 from jinfer import SamplingParams, load_tokenizer
 from jinfer.scheduler import RequestOutput
-from serve.app import JinferAPI, ServerSettings
-from serve.protocol import GenerationRequest
+from jinfer_serve.app import JinferAPI
+from jinfer_serve.protocol import GenerationRequest
+from jinfer_serve.settings import ServerConfig
 
 
 class _Bridge:
@@ -29,7 +30,8 @@ def tokenizer(tmp_path_factory):
 
 def _api(tokenizer, **settings):
     api = JinferAPI.__new__(JinferAPI)  # the SSE writer needs only these parts
-    api.settings, api.tokenizer, api.bridge = ServerSettings(**settings), tokenizer, _Bridge()
+    api.settings, api.tokenizer, api.bridge = ServerConfig(**settings), tokenizer, _Bridge()
+    api.model_name = "tiny"
     return api
 
 

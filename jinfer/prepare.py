@@ -1,0 +1,233 @@
+"""Request preparation: the one way in for every door (server, WebSocket, `LLM`, batch jobs, CLI).
+
+    prompt (text | token ids) or messages (chat template)  -> token ids
+    sampling (SamplingParams, knobs maybe unset)            -> resolved against the model's defaults
+    context policy (request's, else the engine's)            -> ids and max_tokens fitted to the window
+    device limits (vocabulary, logit-bias and stop-id slots) -> checked here, before the engine
+
+A `PreparedRequest` is what the engine accepts; everything wrong with a request is a
+`RequestError` (a ValueError naming the field) or a `ContextLengthError` raised here, so nothing
+invalid reaches the device. Context policies:
+
+    error        reject, with both numbers (the default)
+    truncate     keep the most recent prompt tokens; report how many were dropped
+    drop_oldest  (chat) drop whole earliest non-system messages until it fits
+
+`max_tokens=None` means "up to the window": whatever the prompt leaves free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jinfer.config import CONTEXT_POLICIES, MAX_LOGIT_BIAS, MAX_STOP_IDS
+from jinfer.sampling import RequestError, SamplingParams
+from jinfer.tokenizer import Tokenizer, TokenizerError
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ContextLengthError(RequestError):
+    """The prompt and the requested output do not fit the context window."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_seq_len: int):
+        self.prompt_tokens, self.max_tokens, self.max_seq_len = prompt_tokens, max_tokens, max_seq_len
+        wanted = "at least one output token" if max_tokens is None else f"max_tokens={max_tokens}"
+        super().__init__(
+            f"this model's context window is {max_seq_len} tokens, but the prompt has {prompt_tokens} tokens "
+            f"and {wanted} was requested; shorten the prompt, lower max_tokens, or ask for truncation"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """A request the engine can run as it is."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams  # resolved: every knob set
+    max_tokens: int  # never past the context window
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
+    dropped_prompt_tokens: int = 0  # context_policy="truncate"
+    dropped_messages: int = 0  # context_policy="drop_oldest"
+
+    def with_seed(self, seed: int | None) -> PreparedRequest:
+        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
+
+
+def check_text(value: Any, name: str) -> str:
+    """A str that encodes as UTF-8 (JSON can carry lone surrogates, which no tokenizer takes)."""
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string, got {type(value).__name__}", name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{name} holds a lone UTF-16 surrogate, which is not text", name) from None
+    return value
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validated copies of chat messages: a known role, text content (string or text parts)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with 'role' and 'content'", "messages")
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise RequestError(
+                f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", "messages"
+            )
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        elif isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise RequestError(f"{where}: only text content parts are supported", "messages")
+                texts.append(check_text(part.get("text"), f"{where}.content[].text"))
+            content = "".join(texts)
+        else:
+            content = check_text(content, f"{where}.content")
+        clean = {"role": role, "content": content}
+        if message.get("name") is not None:
+            clean["name"] = check_text(message["name"], f"{where}.name")
+        out.append(clean)
+    return out
+
+
+class RequestPreparer:
+    """Turns what a caller asks for into a `PreparedRequest` for one engine's limits."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_seq_len: int,
+        eos_token_ids: Sequence[int],
+        sampling_defaults: Mapping[str, Any],
+        context_policy: str,
+    ):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampling_defaults = dict(sampling_defaults)
+        self.context_policy = context_policy
+
+    # ------------------------------------------------------------------------------ parts
+    def sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+        """Resolve unset knobs (request > model defaults > jinfer's) and check the device limits."""
+        sampling = (sampling or SamplingParams()).resolve(self.sampling_defaults)
+        if sampling.logit_bias and len(sampling.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"logit_bias has {len(sampling.logit_bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias"
+            )
+        for name, ids in (
+            ("logit_bias", sampling.logit_bias or ()),
+            ("stop_token_ids", sampling.stop_token_ids or ()),
+        ):
+            if any(t >= self.vocab_size for t in ids):
+                raise RequestError(
+                    f"{name} names token ids outside the vocabulary [0, {self.vocab_size})", name
+                )
+        return sampling
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt, or given ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(check_text(prompt, "prompt"))
+        elif isinstance(prompt, Sequence) and all(_is_int(t) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", "prompt"
+                )
+        else:
+            raise RequestError("prompt must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise RequestError("prompt is empty (it encodes to no tokens)", "prompt")
+        return ids
+
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of validated messages through the model's chat template."""
+        if not self.tokenizer.chat_template:
+            raise RequestError("this model has no chat template; send a plain prompt instead", "messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except TokenizerError as e:
+            raise RequestError(str(e), "messages") from None
+
+    def policy(self, context_policy: str | None) -> str:
+        policy = context_policy or self.context_policy
+        if policy not in CONTEXT_POLICIES:
+            raise RequestError(
+                f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {policy!r}",
+                "context_policy",
+            )
+        return policy
+
+    # ------------------------------------------------------------------------------ whole
+    def prepare(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Any = None,
+        sampling: SamplingParams | None = None,
+        context_policy: str | None = None,
+    ) -> PreparedRequest:
+        """Exactly one of `prompt` (text or ids) and `messages` (a chat)."""
+        if (prompt is None) == (messages is None):
+            raise RequestError("give either a prompt or messages", "prompt")
+        sampling = self.sampling(sampling)
+        policy = self.policy(context_policy)
+        dropped_messages = 0
+        if messages is None:
+            ids, max_tokens, dropped_tokens = self._fit(self.prompt_ids(prompt), sampling.max_tokens, policy)
+        else:
+            ids, max_tokens, dropped_tokens, dropped_messages = self._fit_chat(
+                check_messages(messages), sampling.max_tokens, policy
+            )
+        eos = frozenset() if sampling.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(sampling.stop_token_ids or ()) | eos
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}", "stop_token_ids")
+        return PreparedRequest(ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages)
+
+    def _fit(self, ids: list[int], max_tokens: int | None, policy: str) -> tuple[list[int], int, int]:
+        """(prompt ids, max_tokens within the window, prompt tokens dropped)."""
+        n, limit = len(ids), self.max_seq_len
+        wanted = max_tokens if max_tokens is not None else 1
+        if n + wanted <= limit:
+            return ids, (max_tokens if max_tokens is not None else limit - n), 0
+        if policy != "truncate" or wanted >= limit:
+            raise ContextLengthError(n, max_tokens, limit)
+        keep = limit - wanted
+        return ids[n - keep :], wanted, n - keep
+
+    def _fit_chat(self, messages, max_tokens, policy) -> tuple[list[int], int, int, int]:
+        """`drop_oldest` removes whole messages (never system ones, never the last) until it fits."""
+        dropped = 0
+        while True:
+            ids = self.chat_ids(messages)
+            if policy != "drop_oldest":
+                return (*self._fit(ids, max_tokens, policy), 0)
+            if len(ids) + (max_tokens or 1) <= self.max_seq_len:
+                return (*self._fit(ids, max_tokens, "error"), dropped)
+            droppable = [i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")]
+            if len(droppable) <= 1:  # the last message is the question
+                raise ContextLengthError(len(ids), max_tokens, self.max_seq_len)
+            messages = [m for i, m in enumerate(messages) if i != droppable[0]]
+            dropped += 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
