@@ -87,9 +87,9 @@ def test_max_tokens_unset_runs_to_the_window_offline_and_says_so_on_the_command_
     llm = jinfer.LLM(model, max_slots=2, max_seq_len=64, prefill_buckets=(16, 32))
     (out,) = llm.generate([PROMPT], jinfer.SamplingParams(ignore_eos=True))
     assert len(out.prompt_token_ids) + len(out.token_ids) == 64 and out.finish_reason == "length"
+    command = [sys.executable, "-m", "jinfer.cli", "generate", "--model", model, "--prompt", PROMPT]
     run = subprocess.run(
-        [sys.executable, "-m", "jinfer.cli", "generate", "--model", model, "--prompt", PROMPT]
-        + ["--max-tokens", "5", "--ignore-eos", "true", *LAYOUT],
+        [*command, "--max-tokens", "5", "--ignore-eos", "true", *LAYOUT],
         capture_output=True,
         text=True,
         timeout=300,
