@@ -6,7 +6,7 @@ Public API (everything else is internal):
 
 from jinfer.config import ModelConfig
 from jinfer.llm import LLM, Completion
+from jinfer.loading import load_tokenizer
 from jinfer.sampling import SamplingParams
-from jinfer.tokenizer import load_tokenizer
 
 __all__ = ["LLM", "Completion", "ModelConfig", "SamplingParams", "load_tokenizer"]

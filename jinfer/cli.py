@@ -73,7 +73,8 @@ def _generate(args) -> int:
 
 
 def _convert(args) -> int:
-    from jinfer.weights import load_model, save_checkpoint
+    from jinfer.formats.checkpoint import save_checkpoint
+    from jinfer.loading import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(args.src)

@@ -1,17 +1,16 @@
 """Model configuration: one frozen, hashable description of a decoder-only transformer.
 
-`ModelConfig` is static under `jax.jit` (it is hashed, never traced). It is built from a Hugging Face
-`config.json` (`ModelConfig.from_hf`, transformers 4 and 5 layouts) or from GGUF metadata
-(`ModelConfig.from_gguf`), and serialised to JSON for jinfer's own checkpoints (`to_dict` /
-`from_dict`). Anything the forward pass does not implement is rejected here, with a message naming
-the option, so that an unsupported checkpoint never loads into silently wrong numbers.
+`ModelConfig` is static under `jax.jit` (it is hashed, never traced). The formats build it
+(`jinfer.formats.hf.model_config` from a `config.json`, `jinfer.formats.gguf.model_config` from GGUF
+metadata) and jinfer's own checkpoints serialise it (`to_dict` / `from_dict`). Anything the forward
+pass does not implement is rejected, with a message naming the option, so that an unsupported
+checkpoint never loads into silently wrong numbers. `EngineConfig` is how an engine is asked to lay
+out the device (`jinfer.layout` resolves it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,202 +110,6 @@ class ModelConfig:
             eos_token_ids=tuple(d.pop("eos_token_ids", ())),
             **d,
         )
-
-    # ------------------------------------------------------------------ Hugging Face
-    @classmethod
-    def from_hf(cls, source: str | os.PathLike | dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face `config.json` (a path, a model directory, or the parsed dict)."""
-        if isinstance(source, dict):
-            hf = source
-        else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    hf = json.load(f)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"no config.json at {path}") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return _config_from_hf_dict(hf)
-
-    # ------------------------------------------------------------------ GGUF
-    @classmethod
-    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
-        """Build from GGUF key/value metadata (`general.architecture` and `{arch}.*` keys)."""
-        return _config_from_gguf(meta, tensor_names, rope_freqs)
-
-
-def _require(hf: dict[str, Any], key: str):
-    if key not in hf:
-        raise UnsupportedModelError(f"config.json lacks required field {key!r}")
-    return hf[key]
-
-
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    # transformers 5 nests everything under `rope_parameters`; 4.x has `rope_theta` + `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        kinds = {json.dumps(v, sort_keys=True) for v in params.values()}
-        if len(kinds) > 1:
-            raise UnsupportedModelError("per-layer-type rope_parameters that differ are not supported")
-        params = dict(next(iter(params.values())))
-    scaling = dict(hf.get("rope_scaling") or {})
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope scaling type {kind!r}; jinfer supports {SUPPORTED_ROPE_TYPES}"
-        )
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
-    original = 0  # only the llama3 and yarn rules use the pre-extension context length
-    if kind in ("llama3", "yarn"):
-        original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 0)
-    factor = params.get("factor")
-    if kind == "yarn" and factor is None:
-        factor = hf["max_position_embeddings"] / original
-    return RopeConfig(
-        theta=float(theta),
-        kind=kind,
-        factor=float(factor if factor is not None else 1.0),
-        original_max_position_embeddings=int(original),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        truncate=bool(params.get("truncate", True)),
-    )
-
-
-def _eos_ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def _config_from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        archs = hf.get("architectures")
-        raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r} (architectures={archs}); "
-            f"jinfer supports {SUPPORTED_ARCHITECTURES}"
-        )
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
-    if hf.get("mlp_bias"):
-        raise UnsupportedModelError("mlp_bias=true is not supported")
-    if model_type in ("llama", "mistral") and hf.get("attention_bias"):
-        raise UnsupportedModelError(
-            "attention_bias=true on llama/mistral (output-projection bias) is not supported"
-        )
-    if model_type == "qwen3" and hf.get("attention_bias"):
-        raise UnsupportedModelError("attention_bias=true on qwen3 is not supported")
-
-    num_layers = int(_require(hf, "num_hidden_layers"))
-    hidden = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
-    head_dim = hf.get("head_dim") or hidden // heads
-
-    window = hf.get("sliding_window") or 0
-    if model_type == "mistral":
-        windows = (int(window),) * num_layers
-    elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
-        types = hf.get("layer_types")
-        if types is None:  # transformers 4: layers at or beyond max_window_layers slide
-            first = int(hf.get("max_window_layers", num_layers))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
-    else:
-        windows = (0,) * num_layers
-
-    return ModelConfig(
-        architecture=model_type,
-        vocab_size=int(_require(hf, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(hf, "intermediate_size")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(hf),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        sliding_windows=windows,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
-    )
-
-
-_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-def _config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r}; jinfer supports {tuple(_GGUF_ARCHITECTURES)}"
-        )
-
-    def get(key, default=None):
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    num_layers = int(get("block_count"))
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    theta = float(get("rope.freq_base", 10000.0))
-    if rope_freqs is not None:
-        rope = RopeConfig(theta=theta, freq_divisors=tuple(float(x) for x in rope_freqs))
-    elif scaling in ("none", None):
-        rope = RopeConfig(theta=theta)
-    elif scaling in ("linear", "yarn"):
-        rope = RopeConfig(
-            theta=theta,
-            kind=scaling,
-            factor=float(get("rope.scaling.factor")),
-            original_max_position_embeddings=int(meta.get(f"{arch}.rope.scaling.original_context_length", 0)),
-        )
-    else:
-        raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling!r}")
-    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-    return ModelConfig(
-        architecture=_GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope=rope,
-        max_position_embeddings=int(get("context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_windows=(window,) * num_layers,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_ids(eos),
-    )
 
 
 CONTEXT_POLICIES = ("error", "truncate", "drop_oldest")

@@ -30,6 +30,7 @@ import numpy as np
 from jinfer.config import EngineConfig
 from jinfer.kv_cache import cache_bytes
 from jinfer.layout import param_bytes, resolve_layout
+from jinfer.loading import LoadedModel
 from jinfer.models import llama
 from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.sampling import SamplingArrays, SamplingParams
@@ -44,7 +45,6 @@ from jinfer.scheduler import (
 )
 from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
 from jinfer.steps import build_steps, prefill_chunk_arrays
-from jinfer.weights import LoadedModel
 
 log = logging.getLogger("jinfer.engine")
 

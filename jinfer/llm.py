@@ -20,11 +20,11 @@ import numpy as np
 
 from jinfer.config import EngineConfig
 from jinfer.engine import Engine
+from jinfer.loading import default_model_path, load_model
 from jinfer.models import llama
 from jinfer.prepare import PreparedRequest
 from jinfer.sampling import SamplingParams
 from jinfer.scheduler import RequestOutput
-from jinfer.weights import default_model_path, load_model
 
 MIN_SCORE_BUCKET = 16
 

@@ -58,7 +58,7 @@ from benchlib import (
 
 import jinfer
 from jinfer.kv_cache import cache_bytes
-from jinfer.weights import default_model_path
+from jinfer.loading import default_model_path
 
 PREFILL_TOKENS = 256
 # As every door runs it on a CPU by default: a packed copy of the weights for the decode kernel.

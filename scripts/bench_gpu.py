@@ -46,6 +46,7 @@ from benchlib import (
 )
 
 from jinfer.config import EngineConfig, ModelConfig
+from jinfer.formats.hf import model_config as hf_config
 from jinfer.kv_cache import cache_bytes
 from jinfer.layout import resolve_layout
 from jinfer.models import llama
@@ -208,7 +209,7 @@ def main() -> int:
             peer = pool.apply(
                 transformers_peer, (hf, args.dtype, slot_counts, args.context, args.peer_tokens)
             )
-    cfg = ModelConfig.from_hf({"model_type": "llama", **hf})
+    cfg = hf_config({"model_type": "llama", **hf})
     device = jax.devices()[0].device_kind
     progress(f"device {device}; measuring bandwidth and the {args.dtype} matmul rate")
     ceiling = measure_ceiling(

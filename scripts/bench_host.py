@@ -36,7 +36,7 @@ from benchlib import (
 )
 
 import jinfer
-from jinfer.weights import default_model_path
+from jinfer.loading import default_model_path
 
 TOKENS = 96
 

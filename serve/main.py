@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_options(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig, dict[str, Any]]:
     """(server settings, engine settings, sampling defaults from --config) in the order above,
     the serving defaults (SERVING_DEFAULTS) standing in for EngineConfig's own."""
+    from jinfer.loading import default_model_path
     from jinfer.presets import model_preset
-    from jinfer.weights import default_model_path
 
     from_file = read_toml(args.config) if args.config else {}
     check_keys(from_file, args.config, ServerConfig, EngineConfig, extra=("model_file", "sampling"))
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from jinfer.engine import Engine
-    from jinfer.weights import default_model_path, load_model
+    from jinfer.loading import default_model_path, load_model
 
     from .app import build_app
 

@@ -29,7 +29,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from jinfer.weights import default_model_path
+    from jinfer.loading import default_model_path
 
     return default_model_path()
 

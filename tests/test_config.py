@@ -3,6 +3,7 @@
 import pytest
 
 from jinfer.config import ModelConfig, RopeConfig
+from jinfer.formats.hf import model_config as hf_config
 
 LLAMA31_V4 = {  # transformers 4.x layout: top-level rope_theta, rope_scaling, torch_dtype
     "architectures": ["LlamaForCausalLM"],
@@ -35,7 +36,7 @@ def test_transformers_4_and_5_layouts_agree():
     v5 = {k: v for k, v in LLAMA31_V4.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
     v5["dtype"] = "bfloat16"
     v5["rope_parameters"] = {**LLAMA31_V4["rope_scaling"], "rope_theta": 500000.0}
-    a, b = ModelConfig.from_hf(LLAMA31_V4), ModelConfig.from_hf(v5)
+    a, b = hf_config(LLAMA31_V4), hf_config(v5)
     assert a == b
     assert a.rope == RopeConfig(
         theta=500000.0,
@@ -61,24 +62,24 @@ def test_qwen2_sliding_window_layers_follow_max_window_layers_or_layer_types():
         "use_sliding_window": True,
         "max_window_layers": 2,
     }
-    assert ModelConfig.from_hf(base).sliding_windows == (0, 0, 16, 16)
+    assert hf_config(base).sliding_windows == (0, 0, 16, 16)
     types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-    assert ModelConfig.from_hf({**base, "layer_types": types}).sliding_windows == (16, 0, 16, 0)
-    assert ModelConfig.from_hf({**base, "use_sliding_window": False}).sliding_windows == (0, 0, 0, 0)
-    assert ModelConfig.from_hf(base).qkv_bias and not ModelConfig.from_hf(base).qk_norm
+    assert hf_config({**base, "layer_types": types}).sliding_windows == (16, 0, 16, 0)
+    assert hf_config({**base, "use_sliding_window": False}).sliding_windows == (0, 0, 0, 0)
+    assert hf_config(base).qkv_bias and not hf_config(base).qk_norm
 
 
 def test_config_round_trips_through_dict():
-    cfg = ModelConfig.from_hf(LLAMA31_V4)
+    cfg = hf_config(LLAMA31_V4)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert hash(cfg) == hash(ModelConfig.from_dict(cfg.to_dict()))
 
 
 def test_gguf_metadata_of_the_embedded_model(smollm2_path):
-    from jinfer.weights import gguf_metadata, read_gguf
+    from jinfer.formats.gguf import gguf_metadata, model_config, read_gguf
 
     reader = read_gguf(smollm2_path)
-    cfg = ModelConfig.from_gguf(gguf_metadata(reader), {t.name for t in reader.tensors})
+    cfg = model_config(gguf_metadata(reader), {t.name for t in reader.tensors})
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
         30,
         576,

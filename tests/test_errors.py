@@ -8,8 +8,9 @@ import pytest
 from tiny import write_gguf
 
 import jinfer
-from jinfer.config import ModelConfig, UnsupportedModelError
-from jinfer.weights import CheckpointError, load_model
+from jinfer.config import UnsupportedModelError
+from jinfer.formats.hf import model_config as hf_config
+from jinfer.loading import CheckpointError, load_model
 
 
 def _copy(directory, tmp_path):
@@ -111,7 +112,7 @@ def test_unsupported_options_are_named(tiny_model, changes, message):
         config = json.load(f)
     config.update(changes)
     with pytest.raises(UnsupportedModelError, match=message):
-        ModelConfig.from_hf(config)
+        hf_config(config)
 
 
 def test_tokenizer_that_does_not_match_the_model(tiny_model, smollm2_path, tmp_path):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from tiny import VOCAB
 
+from jinfer.formats.hf import load_hf
 from jinfer.kernels import cpu_attention
 from jinfer.kv_cache import init_cache
 from jinfer.models import llama
-from jinfer.weights import load_hf
 
 
 @pytest.mark.parametrize("kernel", [None, "cpu"], ids=["einsum", "cpu-kernel"])

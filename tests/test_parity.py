@@ -6,8 +6,8 @@ import torch
 from tiny import FAMILIES, VOCAB
 
 import jinfer
+from jinfer.formats.hf import load_hf
 from jinfer.models import llama
-from jinfer.weights import load_hf
 
 
 def _reference_logits(model, ids: np.ndarray) -> np.ndarray:

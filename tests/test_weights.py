@@ -15,22 +15,17 @@ import torch
 from tiny import VOCAB, write_gguf
 
 import jinfer
+from jinfer.formats.checkpoint import CHECKPOINT_MARKER, load_checkpoint, save_checkpoint
+from jinfer.formats.gguf import load_gguf
+from jinfer.formats.hf import load_hf
+from jinfer.formats.params import param_paths
+from jinfer.loading import CheckpointError, load_model
 from jinfer.models import llama
 from jinfer.sharding import MODEL, make_mesh, param_shardings
-from jinfer.weights import (
-    CHECKPOINT_MARKER,
-    CheckpointError,
-    load_checkpoint,
-    load_gguf,
-    load_hf,
-    load_model,
-    param_paths,
-    save_checkpoint,
-)
 
 
 def _flat(params) -> dict[str, np.ndarray]:
-    from jinfer.weights import path_name
+    from jinfer.formats.params import path_name
 
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     return {path_name(p): np.asarray(v, dtype=np.float32) for p, v in flat}
@@ -106,7 +101,8 @@ def test_gguf_k_quants_load_through_gguf_dequantize(tmp_path, qtype):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from jinfer.weights import _dequantize, read_gguf
+    from jinfer.formats.gguf import dequantize as _dequantize
+    from jinfer.formats.gguf import read_gguf
 
     (tensor,) = read_gguf(path).tensors
     ours = _dequantize(tensor)

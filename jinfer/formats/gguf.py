@@ -1,0 +1,333 @@
+"""The GGUF file: metadata -> ModelConfig, tensors -> named arrays in jinfer's layout (dequantized
+to float32 by the `gguf` package, llama.cpp's Q/K row interleaving undone), and the vocabulary ->
+a `tokenizers` object jinfer builds itself: byte-level BPE (`tokenizer.ggml.model == "gpt2"`,
+pre-tokenizer chosen by `tokenizer.ggml.pre`) or SentencePiece-style BPE with byte fallback
+(`"llama"`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jinfer.config import ModelConfig, RopeConfig, UnsupportedModelError
+from jinfer.formats.hf import eos_ids, named_arrays
+from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
+from jinfer.tokenizer import Tokenizer, TokenizerError, _HFBackend
+
+
+def model_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
+    """A ModelConfig from GGUF key/value metadata (`general.architecture` and `{arch}.*` keys)."""
+    return _config_from_gguf(meta, tensor_names, rope_freqs)
+
+
+_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; jinfer supports {tuple(_GGUF_ARCHITECTURES)}"
+        )
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    num_layers = int(get("block_count"))
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    theta = float(get("rope.freq_base", 10000.0))
+    if rope_freqs is not None:
+        rope = RopeConfig(theta=theta, freq_divisors=tuple(float(x) for x in rope_freqs))
+    elif scaling in ("none", None):
+        rope = RopeConfig(theta=theta)
+    elif scaling in ("linear", "yarn"):
+        rope = RopeConfig(
+            theta=theta,
+            kind=scaling,
+            factor=float(get("rope.scaling.factor")),
+            original_max_position_embeddings=int(meta.get(f"{arch}.rope.scaling.original_context_length", 0)),
+        )
+    else:
+        raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling!r}")
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    return ModelConfig(
+        architecture=_GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope=rope,
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_windows=(window,) * num_layers,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids(eos),
+    )
+
+
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+# GGUF layer tensor suffix -> Hugging Face suffix (GGUF keeps HF's [out, in] orientation).
+_GGUF_TO_HF = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF's pairs halves)."""
+    out_dim = w.shape[0]
+    return w.reshape(heads, out_dim // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str):
+    """Open a GGUF file, turning the gguf package's low-level failures into a clear error."""
+    import gguf
+
+    if not os.path.exists(path):
+        raise CheckpointError(f"missing GGUF file {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
+        raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """Scalar and string metadata (big arrays such as the vocabulary are read by the tokenizer)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def dequantize(tensor) -> np.ndarray:
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind == gguf.GGMLQuantizationType.F32:
+        array = np.asarray(tensor.data)
+    elif kind in (gguf.GGMLQuantizationType.F16,):
+        array = np.asarray(tensor.data).astype(np.float32)
+    else:
+        try:
+            array = gguf.quants.dequantize(tensor.data, kind)
+        except NotImplementedError:
+            raise CheckpointError(f"GGUF tensor {tensor.name} has unsupported type {kind.name}") from None
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists dims innermost first
+    return array.reshape(shape)
+
+
+def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
+    reader = read_gguf(path)
+    meta = gguf_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    expected_bytes = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if expected_bytes > os.path.getsize(path):
+        raise CheckpointError(f"{path}: truncated GGUF: tensor data ends at byte {expected_bytes}")
+    rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    cfg = model_config(meta, set(tensors), rope_freqs)
+    permuted = meta["general.architecture"] in ("llama", "mistral")
+    top_level = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    top_level["output.weight"] = "lm_head.weight"
+
+    def as_hf_tensors():
+        """GGUF tensors under their Hugging Face names (same [out, in] layout), Q/K un-permuted."""
+        for name, tensor in tensors.items():
+            if name == "rope_freqs.weight":
+                continue  # already folded into the config
+            w = dequantize(tensor)
+            if (m := _GGUF_LAYER.fullmatch(name)) and m.group(2) in _GGUF_TO_HF:
+                suffix = m.group(2)
+                if permuted and suffix.startswith("attn_q."):
+                    w = _unpermute_qk(w, cfg.num_heads)
+                elif permuted and suffix.startswith("attn_k."):
+                    w = _unpermute_qk(w, cfg.num_kv_heads)
+                name = f"model.layers.{m.group(1)}.{_GGUF_TO_HF[suffix]}"
+            yield top_level.get(name, name), w
+
+    arrays = named_arrays(cfg, as_hf_tensors())
+    params = assemble_params(cfg, arrays, dtype, source=path)
+    tokenizer = tokenizer_from_gguf(reader, meta)
+    check_vocab(cfg, tokenizer, path)
+    return LoadedModel(cfg, params, tokenizer, {}, path)
+
+
+# -------------------------------------------------------------------------------- GGUF vocab
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    """The pre-tokenizer llama.cpp uses for a GGUF's `tokenizer.ggml.pre`."""
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt2", "gpt-2"):
+        return byte_level
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):  # each digit alone, then GPT-2's split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if split is None:
+        raise UnsupportedModelError(f"unsupported GGUF tokenizer pre-tokenizer {pre!r}")
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _gguf_array(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+def tokenizer_from_gguf(reader, meta: dict[str, Any]) -> Tokenizer:
+    """Build a `tokenizers` tokenizer from the vocabulary stored in a GGUF file."""
+    from tokenizers import AddedToken, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = _gguf_array(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise TokenizerError("GGUF file has no tokenizer.ggml.tokens vocabulary")
+    types = _gguf_array(reader, "tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
+    types = np.asarray(types)
+    if kind == "gpt2":
+        tok = _gguf_byte_level_bpe(reader, meta, tokens)
+        default_add_bos = False
+    elif kind == "llama":
+        tok = _gguf_sentencepiece_bpe(reader, meta, tokens, types)
+        default_add_bos = True
+    else:
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer model {kind!r} (jinfer reads 'gpt2' and 'llama')"
+        )
+
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i in np.nonzero((types == _TOKEN_CONTROL) | (types == _TOKEN_USER_DEFINED))[0]
+    ]
+    tok.add_special_tokens(special)
+
+    def token_at(key):
+        i = meta.get(key)
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", default_add_bos) and bos is not None:
+        bos_id = meta["tokenizer.ggml.bos_token_id"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
+    eos_ids = tuple(
+        int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta
+    )
+    return Tokenizer(
+        _HFBackend(tok),
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=eos_ids,
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _gguf_byte_level_bpe(reader, meta, tokens):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    merges = _gguf_array(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        raise TokenizerError("GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gguf_sentencepiece_bpe(reader, meta, tokens, types):
+    """SentencePiece-style BPE: merges ranked by the merged piece's score, bytes as <0xXX> tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    scores = _gguf_array(reader, "tokenizer.ggml.scores")
+    scores = np.zeros(len(tokens)) if scores is None else np.asarray(scores, dtype=np.float64)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t: i for t, i in vocab.items() if types[i] in (_TOKEN_NORMAL, _TOKEN_USER_DEFINED)}
+    merges = []
+    for piece, i in mergeable.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                merges.append((-scores[i], vocab[left], vocab[right], left, right))
+    merges.sort()
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else None
+    tok = HFTokenizer(
+        models.BPE(vocab, [(m[3], m[4]) for m in merges], unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    norm = [normalizers.Replace(" ", "▁")]
+    dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        norm.insert(0, normalizers.Prepend("▁"))
+        dec.append(decoders.Strip(" ", 1, 0))
+    tok.normalizer = normalizers.Sequence(norm)
+    tok.decoder = decoders.Sequence(dec)
+    return tok
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a GGUF file, without reading its tensors."""
+    reader = read_gguf(path)
+    return tokenizer_from_gguf(reader, gguf_metadata(reader))

