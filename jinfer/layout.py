@@ -17,8 +17,7 @@ import jax
 import numpy as np
 
 from jinfer.config import COLUMN_TILE, EngineConfig, ModelConfig
-from jinfer.kernels import cpu_attention, cpu_matmul
-from jinfer.models import llama
+from jinfer.kernels import cpu_attention, cpu_matmul, gpu_attention
 
 
 def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
@@ -119,7 +118,7 @@ def attention_kernel(config: EngineConfig, model: ModelConfig, max_seq_len: int,
     if not config.decode_kernel or devices != 1:
         return None
     backend = jax.default_backend()
-    if backend == "gpu" and config.dtype != "float32" and llama.decode_kernel_fits(max_seq_len):
+    if backend == "gpu" and config.dtype != "float32" and gpu_attention.fits(max_seq_len):
         return "gpu"
     if backend == "cpu" and config.dtype == "float32" and model.head_dim % 8 == 0:
         return "cpu" if cpu_attention.available() else None

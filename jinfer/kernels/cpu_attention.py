@@ -34,7 +34,8 @@ def attention(
 ) -> jax.Array:
     """Causal attention of q [B, K, G, T, H] at positions [B, T] over cache rows `rows` [B] of
     cache_k, cache_v [R, K, S, H] (float32, read in place up to each query's position; with a
-    sliding window, from where it reaches). Returns [B, K, G, T, H] float32, like `llama.attention`."""
+    sliding window, from where it reaches). Returns [B, K, G, T, H] float32, as XLA's attention
+    (`models.attention.attention`) does."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q,

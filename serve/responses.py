@@ -1,0 +1,220 @@
+"""Engine events in, OpenAI response bodies out: the whole body of a non-streaming request
+(`_complete`, which cancels the request if the client goes away), and the Server-Sent Events of a
+streaming one (`_sse`) with its buffering policy (`_next_batch`: up to --stream-max-tokens tokens
+or --stream-max-delay-ms per event, keep-alive comments after --keepalive-s of silence).
+
+`ResponseWriter` is the part of `JinferAPI` that writes responses; it reads the API's settings,
+model name, tokenizer and bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .protocol import GenerationRequest, format_logprobs, new_id, now, timings, usage
+
+# SSE splits lines only at CR and LF, but clients that split with str.splitlines (httpx's
+# iter_lines among them) also break at these, which JSON leaves raw inside strings: a token
+# decoding to one of them would cut its event in two.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(body: dict) -> str:
+    """One Server-Sent Event carrying `body` as JSON on a single line, whoever splits the lines."""
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_UNICODE_LINE_BREAKS)}\n\n"
+
+
+class ResponseWriter:
+    async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
+        """Wait for every choice; a client that goes away cancels them."""
+        choices = [{"text": [], "entries": [], "final": None} for _ in range(req.n)]
+        disconnect = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            remaining = req.n
+            while remaining:
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    raise asyncio.CancelledError
+                index, event = get.result()
+                choice = choices[index]
+                choice["text"].append(event.text)
+                choice["entries"].extend(event.logprobs or ())
+                if event.finished:
+                    choice["final"] = event
+                    remaining -= 1
+        finally:
+            disconnect.cancel()
+            for request_id in request_ids:
+                self.bridge.cancel(request_id)  # no-op for finished requests
+        prompt_text = self._prompt_text(req)
+        body_choices, completion_tokens = [], 0
+        for index, choice in enumerate(choices):
+            final = choice["final"]
+            text = "".join(choice["text"])
+            completion_tokens += final.metrics["completion_tokens"] if final.metrics else 0
+            logprobs = None
+            if req.top_logprobs is not None:
+                logprobs = format_logprobs(kind=req.kind, tokenizer=self.tokenizer, entries=choice["entries"])
+            if req.kind == "chat":
+                body_choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs,
+                        "finish_reason": final.finish_reason,
+                    }
+                )
+            else:
+                body_choices.append(
+                    {
+                        "index": index,
+                        "text": (prompt_text if req.echo else "") + text,
+                        "logprobs": logprobs,
+                        "finish_reason": final.finish_reason,
+                    }
+                )
+        body = {
+            "id": new_id(req.kind),
+            "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": body_choices,
+            "usage": usage(prompt_tokens_used(choices[0]["final"], prompt_ids), completion_tokens),
+            "jinfer": {"timings": [timings(c["final"].metrics) for c in choices]},
+        }
+        return JSONResponse(body)
+
+    def _prompt_text(self, req: GenerationRequest) -> str:
+        if req.kind != "completion":
+            return ""
+        return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
+
+    async def _sse(self, req, queue, request_ids, prompt_ids):
+        """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
+        response_id, created = new_id(req.kind), now()
+        kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+
+        def chunk(index, text=None, finish_reason=None, entries=None, role=False, extra=None):
+            logprobs = format_logprobs(req.kind, self.tokenizer, entries) if entries else None
+            if req.kind == "chat":
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if role
+                    else ({"content": text} if text is not None else {})
+                )
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            else:
+                choice = {
+                    "index": index,
+                    "text": text or "",
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            body = {
+                "id": response_id,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+            }
+            body["choices"] = [choice]
+            if req.include_usage:
+                body["usage"] = None
+            if extra:
+                body.update(extra)
+            return sse_data(body)
+
+        completion_tokens, prompt_tokens = 0, len(prompt_ids)
+        remaining = req.n
+        timing_list = [None] * req.n
+        try:
+            for index in range(req.n):
+                if req.kind == "chat":
+                    yield chunk(index, role=True)
+                elif req.echo:
+                    yield chunk(index, text=self._prompt_text(req))
+            buffers = [{"text": [], "entries": []} for _ in range(req.n)]
+            while remaining:
+                events = await self._next_batch(queue)
+                if events is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                for index, event in events:
+                    buffer = buffers[index]
+                    buffer["text"].append(event.text)
+                    buffer["entries"].extend(event.logprobs or ())
+                    if event.finished:
+                        remaining -= 1
+                        completion_tokens += event.metrics["completion_tokens"] if event.metrics else 0
+                        prompt_tokens = prompt_tokens_used(event, prompt_ids)
+                        timing_list[index] = timings(event.metrics)
+                        yield chunk(index, "".join(buffer["text"]), event.finish_reason, buffer["entries"])
+                        buffers[index] = {"text": [], "entries": []}
+                for index, buffer in enumerate(buffers):
+                    if "".join(buffer["text"]) or buffer["entries"]:
+                        yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
+                        buffers[index] = {"text": [], "entries": []}
+            if req.include_usage:
+                body = {
+                    "id": response_id,
+                    "object": kind,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens),
+                    "jinfer": {"timings": timing_list},
+                }
+                yield sse_data(body)
+            yield "data: [DONE]\n\n"
+        finally:  # client gone (generator closed) or done: cancel whatever still runs
+            for request_id in request_ids:
+                self.bridge.cancel(request_id)
+
+    async def _next_batch(self, queue: asyncio.Queue):
+        """Events to send in one SSE write, per the buffering policy; None after keep-alive silence."""
+        settings = self.settings
+        try:
+            first = await asyncio.wait_for(queue.get(), settings.keepalive_s)
+        except TimeoutError:
+            return None
+        events = [first]
+        tokens = len(first[1].token_ids)
+        deadline = time.monotonic() + settings.stream_max_delay_ms / 1000
+        while tokens < settings.stream_max_tokens and not first[1].finished:
+            try:
+                if settings.stream_max_delay_ms > 0:
+                    item = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+                else:
+                    item = queue.get_nowait()  # whatever already arrived, without waiting
+            except (TimeoutError, asyncio.QueueEmpty):
+                break
+            events.append(item)
+            tokens += len(item[1].token_ids)
+            if item[1].finished:
+                break
+        return events
+
+
+def prompt_tokens_used(final_event, prompt_ids: list[int]) -> int:
+    """Prompt tokens the engine actually used (fewer than sent when the prompt was truncated)."""
+    metrics = final_event.metrics if final_event is not None else None
+    return metrics["prompt_tokens"] if metrics else len(prompt_ids)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns once the client has disconnected (Starlette delivers http.disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
