@@ -4,7 +4,7 @@
     loop thread:  plan -> dispatch prefill chunks + one multi-step decode (async, cache donated),
                   or, with mixed prefill while requests decode, one decode step carrying a chunk
                   -> read the previous iteration's tokens (one iteration late) -> scheduler.commit
-                  -> sinks receive RequestOutput events
+                  -> the events it returns go to the sinks, outside the lock
 
 The loop sleeps on a condition variable when there is nothing to do (no polling). Tokens of the
 iteration just dispatched are read only after the next one is queued, so the host's detokenizing
@@ -42,9 +42,11 @@ from jinfer.scheduler import (
     RequestOutput,
     Scheduler,
     TextStream,
+    deliver,
 )
 from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
-from jinfer.steps import build_steps, prefill_chunk_arrays
+from jinfer.state import pack_chunk
+from jinfer.steps import build_steps
 
 log = logging.getLogger("jinfer.engine")
 
@@ -176,9 +178,7 @@ class Engine:
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
         for size in self.layout.prefill_buckets:
-            chunk = prefill_chunk_arrays(
-                np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False
-            )
+            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out = self.steps.prefill(self.params, self.cache, self.state, chunk)
         for (rows, _), decode in self.steps.decode.items():
             active = np.zeros(rows, bool)
@@ -186,9 +186,7 @@ class Engine:
         for (rows, _), mixed in self.steps.mixed.items():
             active = np.zeros(rows, bool)
             size = self.layout.mixed_chunk_len(rows)
-            chunk = prefill_chunk_arrays(
-                np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False
-            )
+            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out, _ = mixed(
                 self.params, self.cache, self.state, active, np.False_, chunk
             )
@@ -283,6 +281,7 @@ class Engine:
         with self._lock:
             plan = self.scheduler.plan()
             self._lock.notify_all()  # the queue may have room now
+        deliver(plan.events)
         dispatched = self._dispatch(plan)
         previous, self._pending = self._pending, dispatched
         for owners, out in previous:
@@ -359,7 +358,7 @@ class Engine:
         tokens = np.zeros(size, np.int32)
         tokens[: len(work.tokens)] = work.tokens
         request, sp = work.request, work.request.sampling
-        return prefill_chunk_arrays(
+        return pack_chunk(
             tokens,
             work.slot,
             work.start,
@@ -388,11 +387,11 @@ class Engine:
             return
         logprobs = dict(zip(("logprobs", "top_ids", "top_logprobs"), extra, strict=True)) if extra else None
         with self._lock:
-            self.scheduler.commit(owners, tokens, bad, logprobs)
-            poisoned, self.scheduler.poisoned_slots = self.scheduler.poisoned_slots, []
+            committed = self.scheduler.commit(owners, tokens, bad, logprobs)
             self._lock.notify_all()
-        for slot in poisoned:  # before the next plan can give the slot to someone else
+        for slot in committed.poisoned_slots:  # before the next plan can give the slot to someone else
             self.cache = self.steps.clear_slot(self.cache, np.int32(slot))
+        deliver(committed.events)
 
     def _recover(self, touched: list[Request], error: Exception) -> None:
         """Fail the touched requests; rebuild the cache if the failed call consumed it."""
@@ -403,5 +402,6 @@ class Engine:
                 touched = touched + self.scheduler.active_requests()  # their cache rows are gone
                 self.cache = self.steps.new_cache(self.dtype)
                 self.state = self.steps.new_state()
-            self.scheduler.fail(touched, message)
+            events = self.scheduler.fail(touched, message)
             self._lock.notify_all()
+        deliver(events)

@@ -9,8 +9,10 @@ a request is finished. Finishing frees the slot; the next plan may give it to a 
            -> running: tokens committed one by one -> stop / length / abort / error -> slot freed
 
 Each request reports to its `sink` (a callable) with `RequestOutput` events carrying text deltas.
-Text is produced by an incremental detokenizer; text that could be the start of a stop string is
-held back until it is known not to be one, and a matched stop string is never returned.
+The scheduler never calls a sink itself: `plan`, `commit` and `fail` return the events they made
+(`Event`s: sink and output), which the engine delivers outside its lock. Text is produced by an
+incremental detokenizer; text that could be the start of a stop string is held back until it is
+known not to be one, and a matched stop string is never returned.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -87,6 +89,14 @@ class TextStream:
         return best
 
 
+@dataclasses.dataclass
+class Committed:
+    """What `commit` made of a dispatch's tokens."""
+
+    events: list[Event]
+    poisoned_slots: list[int]  # slots whose cache may now hold NaN/inf: clear them before reuse
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
@@ -144,11 +154,24 @@ class PrefillWork:
     last: bool  # the final chunk: its sampled token is the request's first output token
 
 
+class Event(NamedTuple):
+    """An output for a request's sink, to be delivered by the caller (`deliver`)."""
+
+    sink: Callable[[RequestOutput], None]
+    output: RequestOutput
+
+
+def deliver(events: list[Event]) -> None:
+    for sink, output in events:
+        sink(output)
+
+
 @dataclasses.dataclass
 class Plan:
     prefills: list[PrefillWork]  # chunks dispatched on their own, before the decode dispatch
     decode_owners: list[Request | None]  # per slot; None = inactive this dispatch
     fused: PrefillWork | None = None  # a chunk carried by the decode dispatch (mixed prefill)
+    events: list[Event] = dataclasses.field(default_factory=list)  # cancelled requests' endings
 
     @property
     def decodes(self) -> bool:
@@ -177,7 +200,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.by_id: dict[str, Request] = {}
-        self.poisoned_slots: list[int] = []  # slots whose cache may now hold NaN/inf: to be cleared
+        self._events: list[Event] = []  # made since the last plan / commit / fail returned them
+        self._poisoned: list[int] = []
 
     # ------------------------------------------------------------------------ inbox side
     def submit(self, request: Request) -> None:
@@ -224,9 +248,8 @@ class Scheduler:
         if any(owners):
             busy = max(slot for slot, r in enumerate(owners) if r is not None) + 1
             fused = next(self._needing_prefill(), None)
-            return self._in_flight(
-                Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len(busy)))
-            )
+            plan = Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len(busy)))
+            return self._in_flight(plan)
         prefills: list[PrefillWork] = []
         budget = self.token_budget
         for request in self._needing_prefill():
@@ -244,11 +267,12 @@ class Scheduler:
 
     def _in_flight(self, plan: Plan) -> Plan:
         """Count the tokens the plan's decode dispatch will produce for each of its requests: one
-        step when it carries a prompt chunk, `decode_steps` otherwise."""
+        step when it carries a prompt chunk, `decode_steps` otherwise. Attach the plan's events."""
         tokens = 1 if plan.fused is not None else self.decode_steps
         for request in plan.decode_owners:
             if request is not None:
                 request.in_flight += tokens
+        plan.events, self._events = self._events, []
         return plan
 
     def _needing_prefill(self):
@@ -278,7 +302,7 @@ class Scheduler:
         tokens: np.ndarray,
         bad: np.ndarray,
         logprobs: dict[str, np.ndarray] | None = None,
-    ) -> None:
+    ) -> Committed:
         """Take device results: tokens and bad are [steps, rows]; rows[i] belongs to owners[i].
 
         Results for a request that finished meanwhile (the device ran ahead) are ignored.
@@ -296,11 +320,16 @@ class Scheduler:
                 if logprobs is not None and request.sampling.logprobs is not None:
                     entry = _logprob_entry(logprobs, step, row, token, request.sampling.logprobs)
                 self._accept(request, token, is_bad, entry, now)
+        committed = Committed(self._events, self._poisoned)
+        self._events, self._poisoned = [], []
+        return committed
 
-    def fail(self, requests: list[Request], message: str) -> None:
+    def fail(self, requests: list[Request], message: str) -> list[Event]:
         for request in requests:
             if not request.finished:
                 self._finish(request, "error", error=message)
+        events, self._events = self._events, []
+        return events
 
     def active_requests(self) -> list[Request]:
         return [r for r in self.slots if r is not None]
@@ -308,7 +337,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- internal
     def _accept(self, request: Request, token: int, bad: bool, logprob: dict | None, now: float) -> None:
         if bad:
-            self.poisoned_slots.append(request.slot)
+            self._poisoned.append(request.slot)
             self._finish(request, "error", error="the model produced NaN or infinite logits for this request")
             return
         if token in request.stop_ids and len(request.output_ids) >= request.sampling.min_tokens:
@@ -323,7 +352,7 @@ class Scheduler:
         elif len(request.output_ids) >= request.max_tokens:
             self._finish(request, "length", event)
         else:
-            request.sink(event)
+            self._events.append(Event(request.sink, event))
 
     def _finish(
         self, request: Request, reason: str, event: RequestOutput | None = None, error: str | None = None
@@ -337,7 +366,7 @@ class Scheduler:
         if request.slot is not None and self.slots[request.slot] is request:
             self.slots[request.slot] = None
         self.by_id.pop(request.request_id, None)
-        request.sink(event)
+        self._events.append(Event(request.sink, event))
 
 
 def _logprob_entry(logprobs: dict[str, np.ndarray], step: int, row: int, token: int, top_n: int) -> dict:

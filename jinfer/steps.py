@@ -40,102 +40,19 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinfer.config import COLUMN_TILE, MAX_LOGIT_BIAS, MAX_STOP_IDS, ModelConfig
+from jinfer.config import COLUMN_TILE, ModelConfig
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
-from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, sample, token_logprobs
+from jinfer.sampling import apply_penalties, sample, token_logprobs
 from jinfer.sharding import DATA, MODEL
+from jinfer.state import PackedChunk, PrefillChunk, SlotState, new_state
+from jinfer.state import state_shardings as slot_state_shardings
 
 TOP_LOGPROBS = 20  # alternatives computed when any request wants logprobs (OpenAI's maximum)
-
-
-@struct.dataclass
-class SlotState:
-    """Per-slot decoding state, resident on device between steps. S slots, V vocabulary."""
-
-    tokens: jax.Array  # [S] int32: last sampled token (the next decode input)
-    positions: jax.Array  # [S] int32: the position that token occupies
-    generated: jax.Array  # [S] int32: tokens sampled so far
-    min_tokens: jax.Array  # [S] int32: stop tokens are banned while generated < min_tokens
-    counts: jax.Array  # [S, V] int32: output-token counts (presence / frequency penalties)
-    prompt_mask: jax.Array  # [S, V] bool: tokens of the prompt (repetition penalty)
-    bias: jax.Array  # [S, V] float32: logit bias
-    stop_mask: jax.Array  # [S, V] bool: eos + stop_token_ids
-    sampling: SamplingArrays  # [S] knobs
-
-
-@struct.dataclass
-class PrefillChunk:
-    """One request's prompt chunk and its settings, as the steps see it (`PackedChunk.unpack`)."""
-
-    tokens: jax.Array  # [1, T] int32, padded to a bucket
-    slot: jax.Array  # [] int32
-    start: jax.Array  # [] int32: position of tokens[0, 0]
-    length: jax.Array  # [] int32: real tokens in this chunk
-    last: jax.Array  # [] bool: the prompt's final chunk (only its logits are used)
-    min_tokens: jax.Array  # [] int32
-    bias_ids: jax.Array  # [MAX_LOGIT_BIAS] int32, padded with V (dropped)
-    bias_values: jax.Array  # [MAX_LOGIT_BIAS] float32
-    stop_ids: jax.Array  # [MAX_STOP_IDS] int32, padded with V (dropped)
-    want_logprobs: jax.Array  # [] bool
-    sampling: SamplingArrays  # [1]
-
-
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
-_DEFAULT_KNOBS = SamplingArrays.from_params([SamplingParams().resolve()], [0])
-# Sampling knobs that travel in the int32 array (top_k; seed, a uint32 carried bit for bit).
-_INT_SAMPLING = tuple(
-    n for n in _SAMPLING_FIELDS if not np.issubdtype(getattr(_DEFAULT_KNOBS, n).dtype, np.floating)
-)
-_FLOAT_SAMPLING = tuple(n for n in _SAMPLING_FIELDS if n not in _INT_SAMPLING)
-# The int32 array's first entries.
-_HEADER = ("slot", "start", "length", "last", "min_tokens", "want_logprobs")
-_BIAS_IDS = len(_HEADER)  # where bias_ids begin
-_TOKENS = _BIAS_IDS + MAX_LOGIT_BIAS + MAX_STOP_IDS + len(_INT_SAMPLING)  # where the tokens begin
-
-
-@struct.dataclass
-class PackedChunk:
-    """A PrefillChunk as it crosses to the device: one int32 and one float32 array. Each array
-    handed to a jitted call is a host->device copy of its own (as seventeen arrays, a chunk cost
-    a mixed dispatch 4.6 ms of host time on a 2-core CPU; packed, 0.3 ms); the steps unpack it.
-
-    ints: slot, start, length, last, min_tokens, want_logprobs, bias_ids, stop_ids, the integer sampling
-    knobs, then the tokens; floats: bias_values, then the float sampling knobs.
-    """
-
-    ints: jax.Array
-    floats: jax.Array
-
-    # Host-side reads (what the engine scheduled; tests look at them).
-    slot = property(lambda self: int(self.ints[_HEADER.index("slot")]))
-    start = property(lambda self: int(self.ints[_HEADER.index("start")]))
-    length = property(lambda self: int(self.ints[_HEADER.index("length")]))
-    last = property(lambda self: bool(self.ints[_HEADER.index("last")]))
-    size = property(lambda self: self.ints.shape[0] - _TOKENS)  # tokens, with padding
-
-    def unpack(self) -> PrefillChunk:
-        ints, floats = self.ints, self.floats
-        header = dict(zip(_HEADER, ints[:_BIAS_IDS], strict=True))
-        header["want_logprobs"] = header["want_logprobs"] != 0
-        header["last"] = header["last"] != 0
-        stops = _BIAS_IDS + MAX_LOGIT_BIAS
-        knobs = dict(zip(_INT_SAMPLING, ints[stops + MAX_STOP_IDS : _TOKENS, None], strict=True))
-        knobs["seed"] = jax.lax.bitcast_convert_type(knobs["seed"], jnp.uint32)
-        knobs |= dict(zip(_FLOAT_SAMPLING, floats[MAX_LOGIT_BIAS:, None], strict=True))
-        return PrefillChunk(
-            tokens=ints[_TOKENS:][None, :],
-            bias_ids=ints[_BIAS_IDS:stops],
-            bias_values=floats[:MAX_LOGIT_BIAS],
-            stop_ids=ints[stops : stops + MAX_STOP_IDS],
-            sampling=SamplingArrays(**knobs),
-            **header,
-        )
 
 
 @struct.dataclass
@@ -363,53 +280,16 @@ class Steps:
         )
 
     def new_state(self) -> SlotState:
-        slots, vocab = self.layout.max_slots, self.vocab_size
-
-        def make():
-            zeros_sv = lambda dtype: jnp.zeros((slots, vocab), dtype)
-            zeros_s = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)
-            return SlotState(
-                tokens=zeros_s(),
-                positions=zeros_s(),
-                generated=zeros_s(),
-                min_tokens=zeros_s(),
-                counts=zeros_sv(jnp.int32),
-                prompt_mask=zeros_sv(bool),
-                bias=zeros_sv(jnp.float32),
-                stop_mask=zeros_sv(bool),
-                sampling=SamplingArrays(
-                    temperature=zeros_s(jnp.float32),
-                    top_k=zeros_s(),
-                    top_p=jnp.ones((slots,), jnp.float32),
-                    min_p=zeros_s(jnp.float32),
-                    repetition_penalty=jnp.ones((slots,), jnp.float32),
-                    presence_penalty=zeros_s(jnp.float32),
-                    frequency_penalty=zeros_s(jnp.float32),
-                    seed=zeros_s(jnp.uint32),
-                ),
-            )
-
-        return jax.jit(make, out_shardings=self.state_shardings)()
+        return new_state(self.layout.max_slots, self.vocab_size, self.state_shardings)
 
 
 def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings, vocab_size: int) -> Steps:
     """Jit prefill and decode once, with explicit shardings and the cache and state donated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     by_slot = NamedSharding(mesh, PartitionSpec(DATA))
-    by_slot_row = NamedSharding(mesh, PartitionSpec(DATA, None))
     cache_sharding = NamedSharding(mesh, PartitionSpec(DATA, MODEL, None, None))  # [B, K, S, H]
     cache_shardings = KVCache(k=(cache_sharding,) * model.num_layers, v=(cache_sharding,) * model.num_layers)
-    state_shardings = SlotState(
-        tokens=by_slot,
-        positions=by_slot,
-        generated=by_slot,
-        min_tokens=by_slot,
-        counts=by_slot_row,
-        prompt_mask=by_slot_row,
-        bias=by_slot_row,
-        stop_mask=by_slot_row,
-        sampling=SamplingArrays(*([by_slot] * len(dataclasses.fields(SamplingArrays)))),
-    )
+    state_shardings = slot_state_shardings(mesh)
     common = {"cfg": model, "vocab": vocab_size}
     kernel = layout.attention_kernel
     carried = (cache_shardings, state_shardings)
@@ -454,32 +334,3 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
         cache_sharding=cache_sharding,
         state_shardings=state_shardings,
     )
-
-
-def prefill_chunk_arrays(
-    tokens: np.ndarray,
-    slot: int,
-    start: int,
-    length: int,
-    last: bool,
-    min_tokens: int,
-    bias,
-    stop_ids,
-    sampling: SamplingArrays,
-    vocab: int,
-    want_logprobs: bool,
-) -> PackedChunk:
-    """Host-side construction of a chunk (the sparse lists padded to fixed sizes), packed."""
-    bias_ids = np.full(MAX_LOGIT_BIAS, vocab, np.int32)
-    bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
-    items = list(bias.items())
-    bias_ids[: len(items)] = [i for i, _ in items]
-    bias_values[: len(items)] = [v for _, v in items]
-    stops = np.full(MAX_STOP_IDS, vocab, np.int32)
-    stops[: len(stop_ids)] = list(stop_ids)
-    knob = lambda name: np.asarray(getattr(sampling, name)).reshape(1)
-    int_knobs = [knob(n).view(np.int32) if n == "seed" else knob(n).astype(np.int32) for n in _INT_SAMPLING]
-    float_knobs = [knob(n).astype(np.float32) for n in _FLOAT_SAMPLING]
-    header = np.array([slot, start, length, last, min_tokens, want_logprobs], np.int32)  # _HEADER's order
-    ints = np.concatenate([header, bias_ids, stops, *int_knobs, np.asarray(tokens, np.int32)])
-    return PackedChunk(ints=ints, floats=np.concatenate([bias_values, *float_knobs]))

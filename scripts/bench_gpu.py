@@ -52,7 +52,8 @@ from jinfer.layout import resolve_layout
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
-from jinfer.steps import build_steps, prefill_chunk_arrays
+from jinfer.state import pack_chunk
+from jinfer.steps import build_steps
 
 SHAPES = {
     "llama3-8b": {
@@ -92,7 +93,7 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
 def prompt_chunk(cfg, tokens: int, slot: int = 0):
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
-    return prefill_chunk_arrays(prompt, slot, 0, tokens, True, 0, {}, (), greedy, cfg.vocab_size, False)
+    return pack_chunk(prompt, slot, 0, tokens, True, 0, {}, (), greedy, cfg.vocab_size, False)
 
 
 def best_time(call, carried, calls: int) -> float:

@@ -361,9 +361,7 @@ def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
     from jinfer.kernels import gpu_attention
 
     monkeypatch.setattr(layout, "attention_kernel", lambda *args: "gpu")
-    monkeypatch.setattr(
-        gpu_attention, "attention", partial(gpu_attention.attention, interpret=True)
-    )
+    monkeypatch.setattr(gpu_attention, "attention", partial(gpu_attention.attention, interpret=True))
     options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
     llm = jinfer.LLM(tiny_model("mistral_sliding")[0], mixed_prefill_tokens=8, **options)
     assert llm.engine.steps.attention_buckets == (256,)  # the kernel needs no attention buckets

@@ -5,9 +5,24 @@ import pytest
 from tiny import train_tokenizer
 
 from jinfer import SamplingParams, load_tokenizer
-from jinfer.scheduler import QueueFullError, Request, Scheduler, TextStream
+from jinfer.scheduler import QueueFullError, Request, TextStream, deliver
+from jinfer.scheduler import Scheduler as _Scheduler
 
 EOS = 2
+
+
+class Scheduler(_Scheduler):
+    """The scheduler, its returned events delivered at once, as the engine does after each call."""
+
+    def plan(self):
+        plan = super().plan()
+        deliver(plan.events)
+        return plan
+
+    def commit(self, *args, **kwargs):
+        committed = super().commit(*args, **kwargs)
+        deliver(committed.events)
+        return committed
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +156,21 @@ def test_a_decode_dispatch_carrying_a_prompt_chunk_counts_one_step_in_flight(tok
     assert first.in_flight == 7
 
 
+def test_events_are_returned_not_delivered(tokenizer):
+    """The scheduler hands events back (the engine delivers them outside its lock)."""
+    s = _Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512)
+    events = []
+    request = _request(tokenizer, "r", events=events)
+    s.submit(request)
+    committed = s.commit(s.plan().decode_owners, _tokens([70, 71]), np.zeros((2, 1), bool))
+    assert events == [] and [e.output.token_ids for e in committed.events] == [[70], [71]]
+    s.cancel("r")
+    plan = s.plan()
+    assert events == [] and plan.events[-1].output.finish_reason == "abort"
+    deliver(plan.events)
+    assert events[-1].finished
+
+
 def test_bad_logits_end_one_request_and_mark_its_slot(tokenizer):
     s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512)
     good_events, bad_events = [], []
@@ -148,10 +178,10 @@ def test_bad_logits_end_one_request_and_mark_its_slot(tokenizer):
     s.submit(good)
     s.submit(bad)
     owners = s.plan().decode_owners
-    s.commit(owners, _tokens([70, 71], [70, 71]), np.array([[False, True], [False, False]]))
+    committed = s.commit(owners, _tokens([70, 71], [70, 71]), np.array([[False, True], [False, False]]))
     assert bad_events[-1].finish_reason == "error" and "NaN" in bad_events[-1].error and bad.output_ids == []
     assert good.output_ids == [70, 71] and not good.finished
-    assert s.poisoned_slots == [1] and s.slots == [good, None]
+    assert committed.poisoned_slots == [1] and s.slots == [good, None]
 
 
 def test_cancel_waiting_and_running(tokenizer):
