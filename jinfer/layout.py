@@ -106,7 +106,7 @@ class Layout:
         return (
             f"products: {products}; attention: {attention[self.attention_kernel]}; "
             f"prefill buckets {','.join(map(str, self.prefill_buckets))}; slot buckets "
-            f"{','.join(map(str, self.slot_buckets))}; {self.decode_steps} decode steps per dispatch{mixed}"
+            f"{','.join(map(str, self.slot_buckets))}; {self.decode_steps} decode step{'s' * (self.decode_steps != 1)} per dispatch{mixed}"
         )
 
 

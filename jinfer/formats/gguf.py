@@ -194,33 +194,81 @@ _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSE
     6,
 )
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Each pre-tokenizer is a list of regexes applied in turn, each splitting the pieces the one
+# before left (matches and the stretches between them become pieces), then the byte-level
+# mapping; these are the splits of the models' own tokenizer.json files, with which llama.cpp
+# names them in `tokenizer.ggml.pre`.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# DeepSeek LLM's letters, punctuation and CJK classes (from its tokenizer.json; escaped, since
+# several of these code points are not in normal form C and an editor may silently change them).
+_DEEPSEEK_LETTERS = (
+    r"\s?["
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd"
+    "\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4"
+    "\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+    "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126"
+    "\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184"
+    "\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f"
+    "\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
+    "]+"
+)
+_DEEPSEEK_PUNCTUATION = r"\s?[" + "!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002" + "]+"
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # CJK ideographs (and what lies between them), Hangul
+_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": (_GPT2,),
+    "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
+    "mpt": (_GPT2,),
+    "smollm": (r"\p{N}", _GPT2),  # each digit alone, then GPT-2's split
+    "starcoder": (r"\p{N}", _GPT2),
+    "refact": (r"\p{N}", _GPT2),
+    "codeshell": (r"\p{N}", _GPT2),
+    "command-r": (r"\p{N}", _GPT2),
+    "llama-bpe": (_LLAMA3,),
+    "llama3": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "qwen35": (_QWEN35,),
+    "deepseek-llm": (r"[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCTUATION, r"\s+$", _CJK, r"\p{N}+"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"),
+    "falcon": (
+        r"[\p{P}\$\+<=>\^~\|`]+",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+        r"[0-9][0-9][0-9]",
+    ),
+}
+# Pre-tokenizers whose BPE takes a whole piece that is in the vocabulary as it is, before any merge
+# (Llama 3's tokenizer.json: "ignore_merges": true); without it "Việt" came out in three tokens.
+_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
 def _byte_level_pre_tokenizer(pre: str):
-    """The pre-tokenizer llama.cpp uses for a GGUF's `tokenizer.ggml.pre`."""
+    """The pre-tokenizer for a GGUF's `tokenizer.ggml.pre`."""
     from tokenizers import Regex, pre_tokenizers
 
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt2", "gpt-2"):
-        return byte_level
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):  # each digit alone, then GPT-2's split
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
-    if split is None:
-        raise UnsupportedModelError(f"unsupported GGUF tokenizer pre-tokenizer {pre!r}")
+    splits = _PRE_TOKENIZERS.get(pre)
+    if splits is None:
+        known = ", ".join(sorted(_PRE_TOKENIZERS))
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer pre-tokenizer {pre!r} (jinfer reads {known})"
+        )
     return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
 
 
@@ -289,8 +337,10 @@ def _gguf_byte_level_bpe(reader, meta, tokens):
         raise TokenizerError("GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _IGNORE_MERGES)
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
 
