@@ -103,10 +103,11 @@ class Layout:
         products = "jinfer's packed-weight kernel (CPU)" if self.packed_weights else "XLA's dot"
         attention = {"cpu": "jinfer's C++ kernel", "gpu": "Pallas kernel", None: "XLA's einsums"}
         mixed = f", mixed prefill {self.mixed_prefill_tokens}+ tokens" if self.mixed_prefill_tokens else ""
+        steps = f"{self.decode_steps} decode step{'s' * (self.decode_steps != 1)} per dispatch"
         return (
             f"products: {products}; attention: {attention[self.attention_kernel]}; "
             f"prefill buckets {','.join(map(str, self.prefill_buckets))}; slot buckets "
-            f"{','.join(map(str, self.slot_buckets))}; {self.decode_steps} decode step{'s' * (self.decode_steps != 1)} per dispatch{mixed}"
+            f"{','.join(map(str, self.slot_buckets))}; {steps}{mixed}"
         )
 
 
