@@ -42,5 +42,6 @@ bench: setup
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) scripts/bench_decode.py --out results
 	$(PY) scripts/bench_host.py --out results
+	$(PY) scripts/bench_doors.py --out results
 	$(PY) scripts/bench_serve.py --out results
 	$(PY) scripts/profile_decode.py --out results

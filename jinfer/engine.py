@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.config import EngineConfig
+from jinfer.config import EngineConfig, dispatch_steps
 from jinfer.kv_cache import cache_bytes
 from jinfer.layout import param_bytes, resolve_layout
 from jinfer.loading import LoadedModel
@@ -340,7 +340,7 @@ class Engine:
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)
             return dispatched
-        steps = self.layout.decode_steps if fused is None else 1
+        steps = dispatch_steps(self.layout.decode_steps, mixed=fused is not None)
         counts.decode_dispatches += 1
         counts.decode_steps += steps
         counts.decode_active_row_steps += len(running) * steps

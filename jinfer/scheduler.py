@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jinfer.config import dispatch_steps
 from jinfer.sampling import SamplingParams
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -268,7 +269,7 @@ class Scheduler:
     def _in_flight(self, plan: Plan) -> Plan:
         """Count the tokens the plan's decode dispatch will produce for each of its requests: one
         step when it carries a prompt chunk, `decode_steps` otherwise. Attach the plan's events."""
-        tokens = 1 if plan.fused is not None else self.decode_steps
+        tokens = dispatch_steps(self.decode_steps, mixed=plan.fused is not None)
         for request in plan.decode_owners:
             if request is not None:
                 request.in_flight += tokens

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinfer.config import COLUMN_TILE, ModelConfig
+from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
@@ -153,89 +153,93 @@ def _prefill(params, cache: KVCache, state: SlotState, packed: PackedChunk, *, c
     return cache, state, out
 
 
-def _decode(
-    params,
-    cache: KVCache,
-    state: SlotState,
-    active,
-    want_logprobs,
-    packed: PackedChunk | None = None,
-    *,
-    cfg,
-    vocab,
-    steps,
-    attn_len,
-    attention_kernel,
+def _decode_step(
+    params, cache, state, active, want_logprobs, chunk, *, cfg, vocab, attn_len, attention_kernel
 ):
-    """`steps` decode steps for slots 0..rows-1; with a prompt chunk, one step that also prefills it.
-
-    Returns the cache, the state and the decode output [steps, rows], plus the chunk's output
-    [1, 1] when there is a chunk.
-    """
-    chunk = None if packed is None else packed.unpack()
-    rows = active.shape[0]  # slots 0..rows-1 take part; the state of the others is left alone
-    all_state = state
-    state = jax.tree.map(lambda a: a[:rows], state)
-    advance = active.astype(jnp.int32)
-
-    def step(cache, state, chunk):
-        groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
-        if chunk is not None:
-            groups.append(_chunk_group(chunk))
-        hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, attention_kernel)
-        last = hidden[0][:, 0]  # [rows, D]
-        if chunk is None:
-            logits, chunk_logits = llama.logits(params, last)[:, :vocab], None
-        else:
-            rows_only = lambda: (llama.logits(params, last)[:, :vocab], _no_logits(vocab))
-
-            def with_chunk():
-                # The chunk's last position joins the rows in one lm_head product, padded to whole
-                # column tiles (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
-                both = jnp.concatenate([last, _last_real(hidden[1], chunk)])
-                both = llama.logits(params, jnp.pad(both, ((0, -both.shape[0] % COLUMN_TILE), (0, 0))))
-                return both[:rows, :vocab], both[rows : rows + 1, :vocab]
-
-            # Chunks before a prompt's last skip that column (8 slots: an 8- instead of a 16-column
-            # product, 7.9 against 12.5 ms of a 75 ms step on SmolLM2, XLA:CPU).
-            logits, chunk_logits = jax.lax.cond(chunk.last, with_chunk, rows_only)
-        banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
-        next_positions = state.positions + 1
-        token, out = _choose(
-            logits,
-            state.prompt_mask,
-            state.counts,
-            state.bias,
-            banned,
-            state.sampling,
-            next_positions,
-            want_logprobs,
-        )
-        state = state.replace(
-            tokens=jnp.where(active, token, state.tokens),
-            positions=state.positions + advance,
-            generated=state.generated + advance,
-            counts=state.counts.at[jnp.arange(rows), token].add(advance),
-        )
-        return cache, state, out, chunk_logits
-
+    """One decode step for the state's rows (slots 0..rows-1), carrying a prompt chunk when there is
+    one: every weight is read once for both. Returns the cache, the rows' state, their output
+    [rows] and the chunk's last logits [1, V] (None without a chunk)."""
+    rows = active.shape[0]
+    groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
+    if chunk is not None:
+        groups.append(_chunk_group(chunk))
+    hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, attention_kernel)
+    last = hidden[0][:, 0]  # [rows, D]
     if chunk is None:
-
-        def scan_step(carry, _):
-            cache, state, out, _ = step(*carry, None)
-            return (cache, state), out
-
-        (cache, state), outs = jax.lax.scan(scan_step, (cache, state), None, length=steps)
+        logits, chunk_logits = llama.logits(params, last)[:, :vocab], None
     else:
-        cache, state, out, chunk_logits = step(cache, state, chunk)
-        outs = jax.tree.map(lambda x: x[None], out)
-    state = jax.tree.map(
-        lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0), all_state, state
+        rows_only = lambda: (llama.logits(params, last)[:, :vocab], _no_logits(vocab))
+
+        def with_chunk():
+            # The chunk's last position joins the rows in one lm_head product, padded to whole
+            # column tiles (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
+            both = jnp.concatenate([last, _last_real(hidden[1], chunk)])
+            both = llama.logits(params, jnp.pad(both, ((0, -both.shape[0] % COLUMN_TILE), (0, 0))))
+            return both[:rows, :vocab], both[rows : rows + 1, :vocab]
+
+        # Chunks before a prompt's last skip that column (8 slots: an 8- instead of a 16-column
+        # product, 7.9 against 12.5 ms of a 75 ms step on SmolLM2, XLA:CPU).
+        logits, chunk_logits = jax.lax.cond(chunk.last, with_chunk, rows_only)
+    banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
+    token, out = _choose(
+        logits,
+        state.prompt_mask,
+        state.counts,
+        state.bias,
+        banned,
+        state.sampling,
+        state.positions + 1,
+        want_logprobs,
     )
-    if chunk is None:
-        return cache, state, outs
+    advance = active.astype(jnp.int32)
+    state = state.replace(
+        tokens=jnp.where(active, token, state.tokens),
+        positions=state.positions + advance,
+        generated=state.generated + advance,
+        counts=state.counts.at[jnp.arange(rows), token].add(advance),
+    )
+    return cache, state, out, chunk_logits
+
+
+def _rows(state: SlotState, rows: int) -> SlotState:
+    """Slots 0..rows-1 take part in a decode; the state of the others is left alone."""
+    return jax.tree.map(lambda a: a[:rows], state)
+
+
+def _put_rows(full: SlotState, part: SlotState) -> SlotState:
+    return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
+
+
+def _decode(params, cache, state, active, want_logprobs, *, steps, **step_options):
+    """`steps` decode steps for slots 0..rows-1 (`lax.scan`): the cache, the state and the output
+    [steps, rows]."""
+
+    def scan_step(carry, _):
+        cache, rows_state, out, _ = _decode_step(params, *carry, active, want_logprobs, None, **step_options)
+        return (cache, rows_state), out
+
+    carry = (cache, _rows(state, active.shape[0]))
+    (cache, rows_state), outs = jax.lax.scan(scan_step, carry, None, length=steps)
+    return cache, _put_rows(state, rows_state), outs
+
+
+def _mixed(params, cache, state, active, want_logprobs, packed: PackedChunk, *, vocab, **step_options):
+    """One decode step for slots 0..rows-1 that also prefills a prompt chunk into another slot:
+    the cache, the state, the decode output [1, rows] and the chunk's output [1, 1]."""
+    chunk = packed.unpack()
+    cache, rows_state, out, chunk_logits = _decode_step(
+        params,
+        cache,
+        _rows(state, active.shape[0]),
+        active,
+        want_logprobs,
+        chunk,
+        vocab=vocab,
+        **step_options,
+    )
+    state = _put_rows(state, rows_state)
     state, chunk_out = _start_slot(state, chunk, chunk_logits, vocab)  # after the decode rows' update
-    return cache, state, outs, chunk_out
+    return cache, state, jax.tree.map(lambda x: x[None], out), chunk_out
 
 
 def _clear_slot(cache: KVCache, slot):
@@ -295,10 +299,11 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
     carried = (cache_shardings, state_shardings)
 
     def jit_decode(attn_len, mixed):
-        # A dispatch carrying a prompt chunk is a single decode step: its cost stays close to one
-        # plain step, which is the point of mixing.
-        steps = 1 if mixed else layout.decode_steps
-        fn = partial(_decode, steps=steps, attn_len=attn_len, attention_kernel=kernel, **common)
+        options = {"attn_len": attn_len, "attention_kernel": kernel, **common}
+        if mixed:
+            fn = partial(_mixed, **options)
+        else:
+            fn = partial(_decode, steps=dispatch_steps(layout.decode_steps, mixed=False), **options)
         return jax.jit(
             fn,
             in_shardings=(param_shardings, *carried, by_slot, replicated) + ((replicated,) if mixed else ()),

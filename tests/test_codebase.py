@@ -71,3 +71,17 @@ def test_every_module_has_a_docstring_and_stays_small():
 
 def test_readme_is_a_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml names its packages (the server folder installs under another name), so a
+    new package folder must be added there or a plain `pip install` would lack it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {
+        ".".join((package, *path.parent.relative_to(folder).parts))
+        for package, folder in PACKAGES.items()
+        for path in folder.rglob("__init__.py")
+    }
+    assert listed == on_disk
