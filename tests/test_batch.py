@@ -75,14 +75,26 @@ def test_bad_lines_become_error_records(tiny_model, tmp_path):
         {"id": "empty", "prompt": ""},
         {"id": "too-long", "prompt": list(range(100)), "sampling": {"max_tokens": 60}},
     ]
-    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    raw = "".join(json.dumps(x) + "\n" for x in lines)
+    raw += 'this line is not JSON\n{"prompt": "no id"}\n{"id": "number", "prompt": 42}\n'
+    raw += '{"id": "odd-sampling", "prompt": "x", "sampling": {"temprature": 0}}\n'
+    prompts.write_text(raw)
     run = _run(
         ["--model", directory, "--input", str(prompts), "--output", str(results), "--max-seq-len", "128"]
     )
     _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
-    records = {r["id"]: r for r in map(json.loads, _lines(results))}
+    records = {r["id"] if r["id"] is not None else r["line"]: r for r in map(json.loads, _lines(results))}
     assert records["ok"]["finish_reason"] in ("stop", "length")
     assert "temperature must be >= 0" in records["bad-sampling"]["error"]
     assert "prompt is empty" in records["empty"]["error"]
     assert "context window is 128 tokens" in records["too-long"]["error"]
+    assert "line 5 is not JSON" in records[5]["error"] and "no 'id'" in records[6]["error"]
+    assert "prompt must be a string or a list of token ids" in records["number"]["error"]
+    assert "unknown sampling fields ['temprature']" in records["odd-sampling"]["error"]
+    assert all(r["finish_reason"] == "error" for k, r in records.items() if k != "ok")
+    rerun = _run(
+        ["--model", directory, "--input", str(prompts), "--output", str(results), "--max-seq-len", "128"]
+    )
+    assert rerun.communicate(timeout=300)[1] and rerun.returncode == 0
+    assert len(_lines(results)) == len(records) == 8  # a rerun skips every line already recorded
