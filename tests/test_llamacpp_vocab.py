@@ -73,7 +73,9 @@ def test_llamacpp_vectors(vocab_dir, name):
     assert wrong == [], f"{name}: {len(wrong)} of {len(cases)} cases differ, first: {wrong[0]!r}"
 
 
-# Text of our own, where transformers' own GGUF conversion of the vocabulary is a reference. For
+# Text of our own, where transformers' own GGUF conversion of the vocabulary is a reference (four
+# pre-tokenizers here; qwen2 and qwen35 agreed as well, at ~17 s each to convert, so they are not
+# run every time). For
 # some it is not: it ignores Llama 3's "ignore_merges" (llama-bpe) and Falcon's split of digits in
 # threes, both of which llama.cpp's vectors (from the models' own tokenizer.json) require.
 MULTILINGUAL = [
@@ -91,7 +93,7 @@ MULTILINGUAL = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt-2", "qwen2", "qwen35", "phi-3", "starcoder", "deepseek-coder"])
+@pytest.mark.parametrize("name", ["gpt-2", "phi-3", "starcoder", "deepseek-coder"])
 def test_multilingual_text_matches_transformers_on_the_same_vocabulary(vocab_dir, name):
     from transformers import AutoTokenizer
 
