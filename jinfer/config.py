@@ -119,6 +119,7 @@ CONTEXT_POLICIES = ("error", "truncate", "drop_oldest")
 MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_STOP_IDS = 64  # stop_token_ids + eos ids
 
+
 def dispatch_steps(decode_steps: int, mixed: bool) -> int:
     """Decode steps (tokens per slot) in one decode dispatch: `decode_steps`, or one for a dispatch
     carrying a prompt chunk (mixed prefill), whose cost must stay close to one plain step."""

@@ -99,6 +99,7 @@ class Engine:
         padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
         shardings = param_shardings(padded_cfg, self.mesh)
         self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
+        weight_bytes = param_bytes(self.params)
         devices = config.mesh_data * config.mesh_model
         self._available = available_memory_bytes(self.mesh.devices.flat[0]) * devices
         self.layout = resolve_layout(
@@ -106,11 +107,11 @@ class Engine:
             loaded.config,
             self.mesh.size,
             cache_bytes_per_token=cache_bytes(padded_cfg, 1, 1, self.dtype),
-            weight_bytes=param_bytes(self.params),
+            weight_bytes=weight_bytes,
             available_bytes=self._available,
         )
         layout = self.layout
-        self._packed_bytes = param_bytes(self.params) if layout.packed_weights else 0  # about the copy's
+        self._packed_bytes = weight_bytes if layout.packed_weights else 0  # about the copy's
         if layout.packed_weights:  # one device: the packed copies' own placement will do
             self.params = llama.pack_weights(self.params)
             shardings = jax.tree.map(lambda a: a.sharding, self.params)
@@ -148,7 +149,7 @@ class Engine:
             layout.max_seq_len,
             self.cache_bytes / 2**20,
             layout.dtype,
-            param_bytes(self.params) / 2**20,
+            (weight_bytes + self._packed_bytes) / 2**20,
             " (with packed copies)" if layout.packed_weights else "",
             layout.mesh_data,
             layout.mesh_model,

@@ -21,7 +21,7 @@ class TokenizerError(ValueError):
     """Tokenizer files are missing or malformed."""
 
 
-class _Backend(Protocol):
+class Backend(Protocol):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
@@ -29,7 +29,7 @@ class _Backend(Protocol):
     def vocab_size(self) -> int: ...
 
 
-class _HFBackend:
+class HFBackend:
     """A `tokenizers.Tokenizer`; its post-processor decides whether BOS is added."""
 
     def __init__(self, tok):
@@ -49,7 +49,7 @@ class _HFBackend:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
 
-class _SentencePieceBackend:
+class SentencePieceBackend:
     def __init__(self, sp, add_bos: bool, add_eos: bool):
         self.sp, self.add_bos, self.add_eos = sp, add_bos, add_eos
 
@@ -80,7 +80,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: _Backend,
+        backend: Backend,
         *,
         bos_token: str | None = None,
         eos_token: str | None = None,
@@ -139,7 +139,7 @@ class Tokenizer:
         """Write this tokenizer as files `load_tokenizer(directory)` reads back."""
         os.makedirs(directory, exist_ok=True)
         backend = self._backend
-        if isinstance(backend, _HFBackend):
+        if isinstance(backend, HFBackend):
             backend.tok.save(os.path.join(directory, "tokenizer.json"))
         else:
             with open(os.path.join(directory, "tokenizer.model"), "wb") as f:
@@ -150,7 +150,7 @@ class Tokenizer:
             "jinfer_eos_token_ids": list(self.eos_token_ids),
             "chat_template": self.chat_template,
         }
-        if isinstance(backend, _SentencePieceBackend):
+        if isinstance(backend, SentencePieceBackend):
             config["add_bos_token"], config["add_eos_token"] = backend.add_bos, backend.add_eos
         with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=1, ensure_ascii=False)

@@ -41,12 +41,14 @@ import time
 import numpy as np
 from benchlib import (
     PROMPT,
+    alternate_decode_timings,
     decode_weight_bytes,
     export_hf_from_gguf,
     llama_cpp_available,
     llama_cpp_f32_gguf,
     markdown_table,
     measure_ceiling,
+    paired_ratio,
     prefill_flops,
     progress,
     pyplot,
@@ -275,25 +277,18 @@ def bench_packed_weights(path: str, slot_counts: list[int], rounds: int = 5) -> 
         engines = {
             packed: jinfer.LLM(path, packed_weights=packed, **options).engine for packed in (True, False)
         }
-        calls, position = 8, 100
-        reach = position + calls * options["decode_steps"] + 1
-        for engine in engines.values():
-            time_decode_calls(engine, slots, reach, calls, position=position)  # compiles, warms up
-        before = sum(engine.compile_count() for engine in engines.values())
-        times = {True: [], False: []}
-        for _ in range(rounds):
-            for packed, engine in engines.items():
-                times[packed].append(time_decode_calls(engine, slots, reach, calls, position=position))
-        packed_s, xla_s = np.array(times[True]), np.array(times[False])
+        times, compiles = alternate_decode_timings(engines, slots, rounds)
+        packed_s, xla_s = times[True], times[False]
+        ratio = paired_ratio(xla_s, packed_s)
         rows.append(
             {
                 "slots": slots,
                 "packed_step_ms": float(np.median(packed_s)) * 1e3,
                 "xla_step_ms": float(np.median(xla_s)) * 1e3,
-                "xla_over_packed": float(np.median(xla_s / packed_s)),
-                "lowest_pair": float((xla_s / packed_s).min()),
-                "highest_pair": float((xla_s / packed_s).max()),
-                "compiles_in_measured_phase": sum(e.compile_count() for e in engines.values()) - before,
+                "xla_over_packed": ratio["median"],
+                "lowest_pair": ratio["lowest"],
+                "highest_pair": ratio["highest"],
+                "compiles_in_measured_phase": compiles,
             }
         )
         del engines

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from benchlib import markdown_table, progress, time_decode_calls, write_results
+from benchlib import alternate_decode_timings, markdown_table, paired_ratio, progress, write_results
 
 import jinfer
 from jinfer_serve.main import SERVING_DEFAULTS
@@ -37,26 +37,19 @@ def main() -> int:
         }
         for name, engine in engines.items():
             progress(f"  {name}: {engine.layout.describe()}")
-        calls, position = 16, 100
-        reach = position + calls * 4 + 1
-        for engine in engines.values():
-            time_decode_calls(engine, slots, reach, calls, position=position)  # compiles, warms up
-        before = sum(engine.compile_count() for engine in engines.values())
-        times = {name: [] for name in engines}
-        for _ in range(args.rounds):
-            for name, engine in engines.items():
-                times[name].append(time_decode_calls(engine, slots, reach, calls, position=position))
-        library, server = np.array(times["LLM()"]), np.array(times["jinfer serve"])
+        times, compiles = alternate_decode_timings(engines, slots, args.rounds, calls=16)
+        library, server = times["LLM()"], times["jinfer serve"]
+        ratio = paired_ratio(library, server)
         rows.append(
             {
                 "slots": slots,
                 "llm_step_ms": float(np.median(library)) * 1e3,
                 "serve_step_ms": float(np.median(server)) * 1e3,
-                "llm_over_serve": float(np.median(library / server)),
-                "lowest_pair": float((library / server).min()),
-                "highest_pair": float((library / server).max()),
+                "llm_over_serve": ratio["median"],
+                "lowest_pair": ratio["lowest"],
+                "highest_pair": ratio["highest"],
                 "both_packed": all(e.layout.packed_weights for e in engines.values()),
-                "compiles_in_measured_phase": sum(e.compile_count() for e in engines.values()) - before,
+                "compiles_in_measured_phase": compiles,
             }
         )
         progress(f"  {rows[-1]}")

@@ -112,6 +112,29 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
     return (time.perf_counter() - start) / (calls * engine.layout.decode_steps)
 
 
+def alternate_decode_timings(
+    engines: dict, slots: int, rounds: int, calls: int = 8, position: int = 100
+) -> tuple[dict[object, np.ndarray], int]:
+    """Seconds per decode step of each engine's compiled decode, timed in `rounds` alternating
+    rounds after one warm-up call each: ({key: [rounds] array}, compiles during the rounds)."""
+    reach = position + calls * max(e.layout.decode_steps for e in engines.values()) + 1
+    for engine in engines.values():
+        time_decode_calls(engine, slots, reach, calls, position=position)  # compiles, warms up
+    before = sum(engine.compile_count() for engine in engines.values())
+    times = {key: [] for key in engines}
+    for _ in range(rounds):
+        for key, engine in engines.items():
+            times[key].append(time_decode_calls(engine, slots, reach, calls, position=position))
+    compiles = sum(engine.compile_count() for engine in engines.values()) - before
+    return {key: np.array(t) for key, t in times.items()}, compiles
+
+
+def paired_ratio(numerator: np.ndarray, denominator: np.ndarray) -> dict[str, float]:
+    """The median of paired ratios and the lowest and highest pair."""
+    ratios = numerator / denominator
+    return {"median": float(np.median(ratios)), "lowest": float(ratios.min()), "highest": float(ratios.max())}
+
+
 def matrix_params(params) -> tuple[int, int]:
     """(weights in all layers, the output projection): what each token's matrix products multiply."""
     params = llama.unpacked(params)

@@ -17,7 +17,7 @@ import numpy as np
 from jinfer.config import ModelConfig, RopeConfig, UnsupportedModelError
 from jinfer.formats.hf import eos_ids, named_arrays
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
-from jinfer.tokenizer import Tokenizer, TokenizerError, _HFBackend
+from jinfer.tokenizer import HFBackend, Tokenizer, TokenizerError
 
 
 def model_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
@@ -320,7 +320,7 @@ def tokenizer_from_gguf(reader, meta: dict[str, Any]) -> Tokenizer:
         int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta
     )
     return Tokenizer(
-        _HFBackend(tok),
+        HFBackend(tok),
         bos_token=bos,
         eos_token=eos,
         eos_token_ids=eos_ids,

@@ -29,7 +29,7 @@ from jinfer.config import (
 )
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
 from jinfer.sampling import MODEL_DEFAULTS
-from jinfer.tokenizer import Tokenizer, TokenizerError, _Backend, _HFBackend, _SentencePieceBackend
+from jinfer.tokenizer import Backend, HFBackend, SentencePieceBackend, Tokenizer, TokenizerError
 
 
 def model_config(source: str | os.PathLike | dict[str, Any]) -> ModelConfig:
@@ -355,7 +355,7 @@ def load_tokenizer_dir(path: str) -> Tokenizer:
             tok = HFTokenizer.from_file(tokenizer_json)
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise TokenizerError(f"{tokenizer_json} is not a valid tokenizer.json: {e}") from None
-        backend: _Backend = _HFBackend(tok)
+        backend: Backend = HFBackend(tok)
     elif os.path.exists(sp_model):
         import sentencepiece as spm
 
@@ -364,7 +364,7 @@ def load_tokenizer_dir(path: str) -> Tokenizer:
             sp.load(sp_model)
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"{sp_model} is not a valid SentencePiece model: {e}") from None
-        backend = _SentencePieceBackend(
+        backend = SentencePieceBackend(
             sp, config.get("add_bos_token", True), config.get("add_eos_token", False)
         )
         bos = bos or sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else bos
