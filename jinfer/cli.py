@@ -34,8 +34,9 @@ def _generate(args) -> int:
     layout, cache_mib = llm.engine.layout, llm.engine.cache_bytes / 2**20
     name = args.model or "the embedded SmolLM2-135M-Instruct"
     print(
-        f"loaded {name} in {time.perf_counter() - t0:.1f} s; KV cache {cache_mib:.0f} MiB "
-        f"({layout.max_slots} slots x {layout.max_seq_len} positions, {layout.dtype}); {layout.describe()}",
+        f"loaded {name} in {time.perf_counter() - t0:.1f} s; KV pool {cache_mib:.0f} MiB "
+        f"({layout.kv_cache_tokens} positions, {layout.max_slots} slots, {layout.dtype}); "
+        f"{layout.describe()}",
         file=sys.stderr,
     )
     sampling = jinfer.SamplingParams(**given(args, jinfer.SamplingParams))

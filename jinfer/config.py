@@ -137,8 +137,19 @@ class EngineConfig:
     generate` flag and a TOML key). What it runs with, resolved against the model and the devices,
     is the engine's `Layout` (jinfer.layout); this stays as asked."""
 
-    max_slots: int = setting(8, "sequences decoded at once (slots)")
-    max_seq_len: int = setting(2048, "tokens per slot, prompt + output (capped at the model's context)")
+    max_slots: int = setting(8, "sequences decoded at once (slots; a slot holds no cache of its own)")
+    max_seq_len: int = setting(
+        2048, "the longest one sequence may grow, prompt + output (capped at the model's context)"
+    )
+    kv_cache_tokens: int | None = setting(
+        None,
+        "positions the shared KV page pool holds, rounded up to whole pages; auto: max_slots x "
+        "max_seq_len on a CPU, memory_fraction of free memory on an accelerator (at least max_seq_len)",
+    )
+    page_size: int = setting(16, "positions per KV page (a power of two, 8 to 512)")
+    prefix_caching: bool = setting(
+        True, "reuse the KV pages of prompt prefixes computed before (shared system prompts, chat turns)"
+    )
     max_queue: int = setting(256, "waiting requests; more are refused (HTTP 429)")
     prefill_buckets: tuple[int, ...] = setting(
         (32, 64, 128, 256, 512), "prompt lengths compiled for; longer prompts go in chunks of the largest"
@@ -167,7 +178,7 @@ class EngineConfig:
     mesh_model: int = setting(1, "devices along the model axis (heads, MLP width, vocabulary)")
     context_policy: str = setting("error", "for requests that name none: error | truncate | drop_oldest")
     memory_fraction: float = setting(
-        0.9, "refuse a layout whose weights + KV cache exceed this share of memory"
+        0.9, "refuse a layout whose packed weights + KV cache exceed this share of free memory"
     )
 
     def __post_init__(self):
@@ -177,7 +188,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if isinstance(self.packed_weights, str) and self.packed_weights.lower() == "auto":
             object.__setattr__(self, "packed_weights", None)
-        for name in ("decode_kernel", "packed_weights"):
+        if self.kv_cache_tokens is not None and (
+            not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1
+        ):
+            raise ValueError(f"kv_cache_tokens must be a positive integer, got {self.kv_cache_tokens!r}")
+        page = self.page_size
+        if not isinstance(page, int) or not 8 <= page <= 512 or page & (page - 1):
+            raise ValueError(f"page_size must be a power of two from 8 to 512, got {page!r}")
+        for name in ("decode_kernel", "packed_weights", "prefix_caching"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "packed_weights" and value is None):
                 raise ValueError(

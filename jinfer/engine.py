@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import EngineConfig, dispatch_steps
-from jinfer.kv_cache import cache_bytes
+from jinfer.kv_cache import bytes_per_token
 from jinfer.layout import param_bytes, resolve_layout
 from jinfer.loading import LoadedModel
 from jinfer.models import llama
+from jinfer.paging import KVPages, SequencePages
 from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scheduler import (
@@ -41,12 +42,12 @@ from jinfer.scheduler import (
     Request,
     RequestOutput,
     Scheduler,
-    TextStream,
     deliver,
 )
 from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
 from jinfer.state import pack_chunk
 from jinfer.steps import build_steps
+from jinfer.tokenizer import TextStream
 
 log = logging.getLogger("jinfer.engine")
 
@@ -101,22 +102,19 @@ class Engine:
         self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
         weight_bytes = param_bytes(self.params)
         devices = config.mesh_data * config.mesh_model
-        self._available = available_memory_bytes(self.mesh.devices.flat[0]) * devices
-        self.layout = resolve_layout(
+        per_token = bytes_per_token(padded_cfg, self.dtype)
+        self.layout = layout = resolve_layout(
             config,
             loaded.config,
             self.mesh.size,
-            cache_bytes_per_token=cache_bytes(padded_cfg, 1, 1, self.dtype),
+            cache_bytes_per_token=per_token,
             weight_bytes=weight_bytes,
-            available_bytes=self._available,
+            available_bytes=available_memory_bytes(self.mesh.devices.flat[0]) * devices,
         )
-        layout = self.layout
-        self._packed_bytes = weight_bytes if layout.packed_weights else 0  # about the copy's
         if layout.packed_weights:  # one device: the packed copies' own placement will do
             self.params = llama.pack_weights(self.params)
             shardings = jax.tree.map(lambda a: a.sharding, self.params)
-        self.cache_bytes = cache_bytes(padded_cfg, layout.max_slots, layout.max_seq_len, self.dtype)
-        self._check_memory()
+        self.cache_bytes = layout.num_pages * layout.page_size * per_token
         self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, loaded.config.vocab_size)
         self.cache = self.steps.new_cache(self.dtype)
         self.state = self.steps.new_state()
@@ -128,86 +126,86 @@ class Engine:
             sampling_defaults=loaded.generation_defaults,
             context_policy=layout.context_policy,
         )
+        self.kv = KVPages(
+            layout.num_pages, layout.page_size, layout.max_slots, layout.max_pages, layout.prefix_caching
+        )
         self.scheduler = Scheduler(
             self.tokenizer,
             layout.max_slots,
             layout.max_queue,
             layout.chunk_len,
             layout.prefill_token_budget,
+            self.kv,
             layout.mixed_chunk_len if layout.mixed_prefill_tokens else None,
             layout.decode_steps,
         )
+        self._tables = self.steps.put_tables(self.kv.tables)  # the device's copy, as of _tables_version
+        self._tables_version = self.kv.version
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
         self.dispatch_counts = DispatchCounts()  # written by the loop thread only
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         log.info(
-            "engine: %d slots x %d positions, KV cache %.1f MiB (%s), weights %.1f MiB%s, "
-            "mesh data=%d model=%d",
+            "engine: %d slots, sequences up to %d positions, weights %.1f MiB%s, mesh data=%d model=%d",
             layout.max_slots,
             layout.max_seq_len,
-            self.cache_bytes / 2**20,
-            layout.dtype,
-            (weight_bytes + self._packed_bytes) / 2**20,
+            weight_bytes * (1 + layout.packed_weights) / 2**20,
             " (with packed copies)" if layout.packed_weights else "",
             layout.mesh_data,
             layout.mesh_model,
         )
+        log.info("engine: %s", layout.describe_pool(per_token))
         log.info("engine: %s", layout.describe())
 
-    # ------------------------------------------------------------------------------ setup
-    def _check_memory(self) -> None:
-        cfg = self.layout
-        allowed = self.config.memory_fraction * self._available - self._packed_bytes
-        if self.cache_bytes <= allowed:
-            return
-        per_slot = self.cache_bytes / cfg.max_slots
-        fit_slots = int(allowed // per_slot)
-        fit_len = int(allowed // (self.cache_bytes / cfg.max_seq_len))
-        packed = ", less the packed weights (packed_weights=false frees them)" if self._packed_bytes else ""
-        raise ValueError(
-            f"the KV cache for max_slots={cfg.max_slots} x max_seq_len={cfg.max_seq_len} needs "
-            f"{self.cache_bytes / 2**30:.2f} GiB but only {allowed / 2**30:.2f} GiB is available "
-            f"({self.config.memory_fraction:.0%} of free memory{packed}); "
-            f"max_slots={fit_slots} or max_seq_len={fit_len} would fit"
-        )
-
     def warmup(self) -> float:
-        """Compile every prefill bucket and every (mixed) decode bucket pair; return the seconds."""
+        """Compile every prefill bucket, every (mixed) decode bucket pair and the small verbs;
+        return the seconds. Nothing is written: the warm-up rows have no pages."""
         start = time.perf_counter()
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
+        tables = self._tables
         for size in self.layout.prefill_buckets:
-            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False)
-            self.cache, self.state, out = self.steps.prefill(self.params, self.cache, self.state, chunk)
+            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
+            self.cache, self.state, out = self.steps.prefill(
+                self.params, self.cache, self.state, tables, chunk
+            )
         for (rows, _), decode in self.steps.decode.items():
             active = np.zeros(rows, bool)
-            self.cache, self.state, out = decode(self.params, self.cache, self.state, active, np.False_)
+            self.cache, self.state, out = decode(
+                self.params, self.cache, self.state, tables, active, np.False_
+            )
         for (rows, _), mixed in self.steps.mixed.items():
             active = np.zeros(rows, bool)
             size = self.layout.mixed_chunk_len(rows)
-            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, {}, (), greedy, vocab, False)
+            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out, _ = mixed(
-                self.params, self.cache, self.state, active, np.False_, chunk
+                self.params, self.cache, self.state, tables, active, np.False_, chunk
             )
-        self.cache = self.steps.clear_slot(self.cache, np.int32(0))
-        jax.block_until_ready((out, self.cache))
+        self.state = self.steps.history(self.state, self._history_arrays(0, [], 0))
+        self.cache = self.steps.clear_pages(self.cache, self._page_list([]))
+        jax.block_until_ready((out, self.cache, self.state))
         return time.perf_counter() - start
 
     def compile_count(self) -> int:
         return self.steps.compile_count()
 
     def stats(self) -> dict[str, float]:
-        """Load figures for monitoring: requests running / waiting, slots in use, KV cache use."""
+        """Load figures for monitoring: requests running / waiting, slots and KV pages in use, the
+        prefix cache's lookups and preemptions so far."""
         with self._lock:
             active = self.scheduler.active_requests()
-            used = sum(r.prefilled + len(r.output_ids) for r in active)
+            pool = self.kv.pool
             return {
                 "running": sum(r.running for r in active),
                 "waiting": len(self.scheduler.waiting),
                 "slots_in_use": len(active),
-                "kv_cache_usage": used / (self.layout.max_slots * self.layout.max_seq_len),
+                "kv_pages_total": pool.usable,
+                "kv_pages_used": pool.used,
+                "kv_cache_usage": pool.used / pool.usable,
+                "prefix_cache_queries": self.kv.queries,
+                "prefix_cache_hits": self.kv.hits,
+                "preemptions": self.scheduler.preemptions,
             }
 
     # ----------------------------------------------------------------------------- inbox
@@ -230,6 +228,7 @@ class Engine:
             sink=sink,
             stream=TextStream(self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ())),
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
+            kv=SequencePages(salt=prepared.cache_salt),
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:
@@ -299,11 +298,15 @@ class Engine:
     def _dispatch(self, plan: Plan) -> list:
         dispatched = []
         counts = self.dispatch_counts
+        if self._tables_version != self.kv.version:
+            # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
+            self._tables, self._tables_version = self.steps.put_tables(self.kv.tables.copy()), self.kv.version
         for work in plan.prefills:
             size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
             try:
+                self._set_history(work)
                 self.cache, self.state, out = self.steps.prefill(
-                    self.params, self.cache, self.state, self._chunk_arrays(work, size)
+                    self.params, self.cache, self.state, self._tables, self._chunk_arrays(work, size)
                 )
             except Exception as e:  # a device failure must not kill the engine
                 self._recover([work.request], e)
@@ -331,8 +334,10 @@ class Engine:
         if fused is not None:
             furthest = max(furthest, fused.start + len(fused.tokens))
         attn_len = self.layout.attention_bucket(furthest)
-        args = (self.params, self.cache, self.state, active, want_logprobs)
         try:
+            if fused is not None:
+                self._set_history(fused)
+            args = (self.params, self.cache, self.state, self._tables, active, want_logprobs)
             if fused is None:
                 self.cache, self.state, out = self.steps.decode[rows, attn_len](*args)
             else:
@@ -365,6 +370,7 @@ class Engine:
             work.start,
             len(work.tokens),
             work.last,
+            request.generated_before,
             sp.min_tokens,
             sp.logit_bias or {},
             sorted(request.stop_ids),
@@ -372,6 +378,28 @@ class Engine:
             self.steps.vocab_size,
             sp.logprobs is not None,
         )
+
+    def _set_history(self, work: PrefillWork) -> None:
+        """Before a penalised request's first chunk: its slot's prompt mask and output counts, from
+        its tokens (the prefix cache may spare it computing some, a preemption makes it prefill its
+        output again). Requests without penalties never read them."""
+        sp = work.request.sampling
+        if work.first and (sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty):
+            request = work.request
+            packed = self._history_arrays(work.slot, request.prefill_ids, len(request.prompt_ids))
+            self.state = self.steps.history(self.state, packed)
+
+    def _history_arrays(self, slot: int, tokens: list[int], prompt_len: int) -> np.ndarray:
+        packed = np.zeros(3 + self.layout.max_seq_len, np.int32)
+        packed[:3] = slot, prompt_len, len(tokens)
+        packed[3 : 3 + len(tokens)] = tokens
+        return packed
+
+    def _page_list(self, pages: list[int]) -> np.ndarray:
+        """Pages for `clear_pages`, padded with the pool size (dropped)."""
+        padded = np.full(self.layout.max_pages, self.layout.num_pages, np.int32)
+        padded[: len(pages)] = pages
+        return padded
 
     def _commit(self, owners: list[Request | None], out) -> None:
         want_logprobs = any(r is not None and r.sampling.logprobs is not None for r in owners)
@@ -390,8 +418,11 @@ class Engine:
         with self._lock:
             committed = self.scheduler.commit(owners, tokens, bad, logprobs)
             self._lock.notify_all()
-        for slot in committed.poisoned_slots:  # before the next plan can give the slot to someone else
-            self.cache = self.steps.clear_slot(self.cache, np.int32(slot))
+        poisoned = committed.poisoned_pages  # zeroed before the next plan can give them to someone
+        for start in range(0, len(poisoned), self.layout.max_pages):
+            self.cache = self.steps.clear_pages(
+                self.cache, self._page_list(poisoned[start : start + self.layout.max_pages])
+            )
         deliver(committed.events)
 
     def _recover(self, touched: list[Request], error: Exception) -> None:
@@ -400,7 +431,7 @@ class Engine:
         message = f"engine error: {type(error).__name__}: {error}"
         with self._lock:
             if any(a.is_deleted() for a in (*self.cache.k, *self.cache.v)) or self.state.tokens.is_deleted():
-                touched = touched + self.scheduler.active_requests()  # their cache rows are gone
+                touched = touched + self.scheduler.active_requests()  # their pages are gone
                 self.cache = self.steps.new_cache(self.dtype)
                 self.state = self.steps.new_state()
             events = self.scheduler.fail(touched, message)

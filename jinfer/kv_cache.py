@@ -1,17 +1,19 @@
-"""The preallocated key/value cache and the one function that writes into it.
+"""The paged key/value cache: one preallocated pool of pages per layer, shared by every sequence.
 
-`KVCache` holds, per layer, K and V arrays of shape [B, K, S, H] (batch rows, kv heads, cache
-positions, head dim). A row's position p lives at index p, so attention masks by comparing
-positions and no per-row length needs to be carried on device. With (row, kv head) outermost,
-each head's keys are one contiguous [S, H] matrix: attention's products read the cache where it
-lies, with batch dimensions leading as matrix-product kernels want them. (A [B, S, K, H] layout
-cost a transposed copy of every layer's keys and values per step; in a microbenchmark of
-attention alone it was 2.8x slower at 64 slots on an H200 and 1.5x at 8 slots on XLA:CPU.)
-Arrays are allocated once at their final size; jitted steps take the cache donated and return
-the updated one.
+`KVCache` holds, per layer, K and V pools of shape [K, P, page_size, H] (kv heads, pages, positions
+in a page, head dim): head-major, so each (head, page) is one contiguous [page_size, H] matrix that
+attention reads in place, and the shape JAX's Pallas paged-attention kernels take. A sequence's
+positions live in the pages its block table row lists in order ([max_pages] int32 per slot, the
+host's to fill: `jinfer.paging`): position p is at page table[p // page_size], offset
+p % page_size. Attention masks keys by comparing positions, so no per-sequence length is carried
+on the device, and stale contents of a reused page are never read.
 
-One array per layer (rather than one stacked [L, ...] array) keeps every update an in-place
-dynamic-update-slice of that layer's buffer, with no slicing copies in the unrolled layer loop.
+Arrays are allocated once at their final size; jitted steps take the pools donated and return the
+updated ones. One array per layer (rather than one stacked [L, ...] array) keeps every update an
+in-place scatter into that layer's buffer, with no slicing copies in the unrolled layer loop.
+Writes that must not land anywhere (padding of a prompt chunk, rows not decoding, positions past
+a table) are dropped, so a page shared through the prefix cache is never written by anyone but
+the sequence that filled it.
 """
 
 from __future__ import annotations
@@ -26,25 +28,32 @@ from jinfer.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, K, S, H]
-    v: tuple[jax.Array, ...]  # per layer [B, K, S, H]
+    k: tuple[jax.Array, ...]  # per layer [K, P, page_size, H]
+    v: tuple[jax.Array, ...]  # per layer [K, P, page_size, H]
 
 
-def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, int, int, int]:
-    return (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+def pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+    return (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> int:
-    per_layer = int(np.prod(cache_shape(cfg, batch, max_len))) * jnp.dtype(dtype).itemsize
-    return 2 * cfg.num_layers * per_layer
+def bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> int:
+    """K and V of one position over every layer."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, sharding=None) -> KVCache:
+def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, sharding=None) -> KVCache:
     """Zeros of the final size, created directly with `sharding` (no host copy, no resharding)."""
-    shape = cache_shape(cfg, batch, max_len)
+    shape = pool_shape(cfg, num_pages, page_size)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     zeros = lambda: tuple(make() for _ in range(cfg.num_layers))
     return KVCache(k=zeros(), v=zeros())
+
+
+def contiguous_tables(rows: int, max_len: int, page_size: int) -> np.ndarray:
+    """Block tables [rows, pages] giving row r its own run of pages 1 + r * pages ..., for callers
+    that want a cache per row without a page allocator (a pool of 1 + rows * pages pages)."""
+    pages = -(-max_len // page_size)
+    return 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
 
 
 def write_kv(
@@ -52,18 +61,29 @@ def write_kv(
     k: jax.Array,
     v: jax.Array,
     positions: jax.Array,
-    rows: jax.Array | None = None,
+    tables: jax.Array,
+    valid: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write new k, v [B, K, T, H] into one layer's cache at positions [B, T], in place.
+    """Write new k, v [B, K, T, H] into one layer's pools at positions [B, T], through each batch
+    entry's block table tables [B, max_pages], in place. Entries where `valid` [B, T] is False, and
+    positions past the table, are dropped. One scatter of B x K x T head vectors."""
+    pool_k, pool_v = layer_kv
+    heads, num_pages, page_size = pool_k.shape[:3]
+    max_pages = tables.shape[1]
+    inside = (positions >= 0) & (positions < max_pages * page_size)
+    if valid is not None:
+        inside &= valid
+    page = jnp.take_along_axis(tables, jnp.clip(positions // page_size, 0, max_pages - 1), axis=1)
+    page = jnp.where(inside, page, num_pages)  # out of range: dropped
+    index = (jnp.arange(heads)[None, :, None], page[:, None, :], (positions % page_size)[:, None, :])
+    write = lambda pool, new: pool.at[index].set(new.astype(pool.dtype), mode="drop")
+    return write(pool_k, k), write(pool_v, v)
 
-    Batch entry b goes to cache row rows[b] (rows=None: row b, as decode over the first B slots
-    does). One scatter of B x K x T head vectors; positions past the cache are dropped, so a padded
-    prompt chunk may run past the end of a slot (its padding is never read: a position becomes
-    visible only once a real token has been written there).
-    """
-    cache_k, cache_v = layer_kv
-    batch, heads = k.shape[:2]
-    rows = jnp.arange(batch) if rows is None else rows
-    index = (rows[:, None, None], jnp.arange(heads)[None, :, None], positions[:, None, :])
-    write = lambda cache, new: cache.at[index].set(new.astype(cache.dtype), mode="drop")
-    return write(cache_k, k), write(cache_v, v)
+
+def gather_pages(pool: jax.Array, tables: jax.Array) -> jax.Array:
+    """The positions of pages tables [B, n] as contiguous rows [B, K, n * page_size, H] (a copy:
+    XLA's einsums read them this way; the kernels read the pool in place)."""
+    heads, _, page_size, head_dim = pool.shape
+    batch, n = tables.shape
+    rows = pool[:, tables]  # [K, B, n, page_size, H]
+    return rows.transpose(1, 0, 2, 3, 4).reshape(batch, heads, n * page_size, head_dim)

@@ -2,7 +2,10 @@
 model, the devices and the memory into one `Layout`, which the steps, the scheduler and the
 start-up log all read. The per-platform choices live here and nowhere else:
 
-    max_seq_len        capped at the model's context window
+    KV page pool       kv_cache_tokens in whole pages; auto: max_slots x max_seq_len on a CPU (the
+                       memory a slot-per-sequence cache took), memory_fraction of free memory on
+                       an accelerator; a pool that cannot fit is refused with one that would
+    max_seq_len        capped at the model's context window and at the pool
     prefill_buckets    none longer than max_seq_len
     attention kernel   CPU C++ / GPU Pallas / none (XLA's einsums), and so the attention buckets
     packed weights     the CPU matmul kernel where it runs (and, asked for "auto", memory allows)
@@ -46,6 +49,19 @@ class Layout:
     context_policy: str
     attention_kernel: str | None  # "cpu" / "gpu": decode attends with that kernel; None: XLA's einsums
     packed_weights: bool  # products of up to cpu_matmul.MAX_COLUMNS columns by the packed kernel
+    page_size: int
+    num_pages: int  # pages in each layer's pool, the sink page included
+    prefix_caching: bool
+
+    @property
+    def max_pages(self) -> int:
+        """Block-table entries per sequence: pages of max_seq_len positions."""
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Positions the pool holds (every page but the sink)."""
+        return (self.num_pages - 1) * self.page_size
 
     @property
     def chunk_len(self) -> int:
@@ -59,11 +75,12 @@ class Layout:
         the GPU kernel it bounds only the attention of a prompt chunk carried by a decode step)."""
         if self.attention_kernel:
             return (self.max_seq_len,)
-        return _geometric_buckets(64, 2, self.max_seq_len)
+        whole_pages = lambda n: -(-n // self.page_size) * self.page_size
+        return tuple(sorted({whole_pages(n) for n in _geometric_buckets(64, 2, self.max_seq_len)}))
 
     def attention_bucket(self, positions: int) -> int:
         """The smallest attention bucket holding `positions` cache positions (capped at the cache)."""
-        return next(b for b in self.attention_buckets if b >= min(positions, self.max_seq_len))
+        return next(b for b in self.attention_buckets if b >= min(positions, self.attention_buckets[-1]))
 
     @property
     def slot_buckets(self) -> tuple[int, ...]:
@@ -98,6 +115,17 @@ class Layout:
             return max(self.mixed_prefill_tokens, COLUMN_TILE - rows)
         return -(-(rows + self.mixed_prefill_tokens) // COLUMN_TILE) * COLUMN_TILE - rows
 
+    def describe_pool(self, bytes_per_token: int) -> str:
+        """One line for the start-up log: the KV page pool and what it holds."""
+        full = self.kv_cache_tokens // self.max_seq_len
+        caching = "on" if self.prefix_caching else "off"
+        return (
+            f"KV pool {self.num_pages - 1} pages x {self.page_size} positions = {self.kv_cache_tokens} "
+            f"tokens, {self.kv_cache_tokens * bytes_per_token / 2**20:.1f} MiB; {full} sequence"
+            f"{'s' * (full != 1)} of max_seq_len={self.max_seq_len} fit at once, {self.max_slots} decode "
+            f"at once; prefix caching {caching}"
+        )
+
     def describe(self) -> str:
         """One line for the start-up log: what runs the products and attention, and the buckets."""
         products = "jinfer's packed-weight kernel (CPU)" if self.packed_weights else "XLA's dot"
@@ -111,15 +139,16 @@ class Layout:
         )
 
 
-def attention_kernel(config: EngineConfig, model: ModelConfig, max_seq_len: int, devices: int) -> str | None:
+def attention_kernel(config: EngineConfig, model: ModelConfig, max_pages: int, devices: int) -> str | None:
     """Which kernel decode attends with, when `config.decode_kernel` asks for one and the mesh is a
-    single device (neither kernel has a sharding rule): "gpu": the Pallas kernel, for 16-bit caches
-    (its float32 products would round to TF32) of a length it can split; "cpu": the C++ kernel, for
-    float32 caches and a head_dim of whole 8-lane vectors, once it is built. None: XLA's einsums."""
+    single device (neither kernel has a sharding rule): "gpu": the Pallas paged kernel, for 16-bit
+    caches (its float32 products would round to TF32) with block tables it can split; "cpu": the
+    C++ kernel, for float32 caches and a head_dim of whole 8-lane vectors, once it is built. None:
+    XLA's einsums."""
     if not config.decode_kernel or devices != 1:
         return None
     backend = jax.default_backend()
-    if backend == "gpu" and config.dtype != "float32" and gpu_attention.fits(max_seq_len):
+    if backend == "gpu" and config.dtype != "float32" and gpu_attention.fits(max_pages):
         return "gpu"
     if backend == "cpu" and config.dtype == "float32" and model.head_dim % 8 == 0:
         return "cpu" if cpu_attention.available() else None
@@ -137,6 +166,27 @@ def packed_kernel_runs(config: EngineConfig, devices: int) -> bool:
     )
 
 
+def _pool_pages(config: EngineConfig, max_seq_len: int, allowed_bytes: float, per_token: int) -> int:
+    """Pages the pool is asked to hold, the sink included, a whole number per data shard:
+    kv_cache_tokens rounded up to pages, or the per-platform auto value (whole pages that fit
+    within `allowed_bytes`, never under one full-length sequence)."""
+    page, shards = config.page_size, config.mesh_data
+    whole = lambda pages: pages + -(pages + 1) % shards + 1  # + the sink, up to the shards
+    if config.kv_cache_tokens is not None:
+        return whole(-(-config.kv_cache_tokens // page))
+    wanted = -(-config.max_slots * max_seq_len // page)
+    if per_token and jax.default_backend() != "cpu":
+        wanted = int(allowed_bytes // (per_token * page))
+    if per_token:  # sizes given: never past what fits (less the sink, down to the shards)
+        fitting = int(allowed_bytes // (per_token * page)) - 1
+        wanted = min(wanted, fitting - (fitting + 1) % shards)
+    return whole(max(wanted, -(-max_seq_len // page)))
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def resolve_layout(
     config: EngineConfig,
     model: ModelConfig,
@@ -147,14 +197,35 @@ def resolve_layout(
     available_bytes: int,
 ) -> Layout:
     """The layout in effect. `available_bytes`: memory free now, with the weights already loaded;
-    packed weights "auto" needs room for their copy beside the KV cache within memory_fraction."""
+    the pool and (packed weights) a packed copy of the weights must fit within memory_fraction of
+    it. Packed weights "auto" are left off when they would not fit beside the pool. A pool that
+    does not fit is refused (ValueError) with the kv_cache_tokens that would."""
     max_seq_len = min(config.max_seq_len, model.max_position_embeddings)
-    packed = config.packed_weights
-    if packed is None or packed:
-        runs = packed_kernel_runs(config, devices)
-        cache = cache_bytes_per_token * config.max_slots * max_seq_len
-        fits = cache + weight_bytes <= config.memory_fraction * available_bytes
-        packed = runs and (fits or config.packed_weights is True)
+    page, per_token = config.page_size, cache_bytes_per_token
+    allowed = config.memory_fraction * available_bytes
+    pool_bytes = lambda pages: pages * page * per_token
+    runs = packed_kernel_runs(config, devices) and config.packed_weights is not False
+    if runs and config.packed_weights is None:
+        pages = _pool_pages(config, max_seq_len, allowed - weight_bytes, per_token)
+        runs = pool_bytes(pages) + weight_bytes <= allowed
+    if runs:
+        allowed -= weight_bytes
+    pages = _pool_pages(config, max_seq_len, allowed, per_token)
+    if per_token and pool_bytes(pages) > allowed:
+        fit = max(int(allowed // (per_token * page)) - 1, 0) * page
+        would = (
+            f"kv_cache_tokens={fit} would fit ({fit // max_seq_len} sequences of max_seq_len={max_seq_len})"
+            if fit >= max_seq_len
+            else f"kv_cache_tokens={fit} with max_seq_len={fit} would fit"
+        )
+        packed = "; packed_weights=false would free the packed copy of the weights" if runs else ""
+        raise ValueError(
+            f"the KV page pool for kv_cache_tokens={(pages - 1) * page} needs {_size(pool_bytes(pages))} "
+            f"but only {_size(allowed)} is available ({config.memory_fraction * 100:g}% of free memory"
+            f"{', less the packed weights' * runs}); {would}{packed}"
+        )
+    max_seq_len = min(max_seq_len, (pages - 1) * page)
+    max_pages = -(-max_seq_len // page)
     return Layout(
         max_slots=config.max_slots,
         max_seq_len=max_seq_len,
@@ -167,8 +238,11 @@ def resolve_layout(
         mesh_data=config.mesh_data,
         mesh_model=config.mesh_model,
         context_policy=config.context_policy,
-        attention_kernel=attention_kernel(config, model, max_seq_len, devices),
-        packed_weights=bool(packed),
+        attention_kernel=attention_kernel(config, model, max_pages, devices),
+        packed_weights=runs,
+        page_size=page,
+        num_pages=pages,
+        prefix_caching=config.prefix_caching,
     )
 
 

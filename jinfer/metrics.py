@@ -2,7 +2,8 @@
 
 Per-request numbers (queue time, time to first token, inter-token latencies, end-to-end time) come
 from the `metrics` dict of each finished request; load gauges (running and waiting requests, slots
-in use, KV cache use) and the engine's dispatch counters (how full its prefill and decode batches
+in use, KV pages in use: what inference gateways read to route), the prefix cache's and
+preemptions' counters, and the engine's dispatch counters (how full its prefill and decode batches
 ran) are read from the engine when scraped. Each `ServingMetrics` owns its own
 registry, so several servers (or tests) in one process do not collide.
 """
@@ -58,6 +59,33 @@ class _DispatchCollector:
         )
 
 
+class _CacheCollector:
+    """The engine's prefix-cache lookups and preemptions as Prometheus counters, read at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        yield from (
+            CounterMetricFamily(
+                "jinfer_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats["prefix_cache_queries"],
+            ),
+            CounterMetricFamily(
+                "jinfer_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                stats["prefix_cache_hits"],
+            ),
+            CounterMetricFamily(
+                "jinfer_preemptions",
+                "Running requests preempted for pages (resumed later with the same output)",
+                stats["preemptions"],
+            ),
+        )
+
+
 class ServingMetrics:
     def __init__(
         self, engine_stats: Callable[[], dict[str, float]], dispatch_counts: Callable[[], DispatchCounts]
@@ -66,6 +94,7 @@ class ServingMetrics:
         self._engine_stats = engine_stats
         r = self.registry
         r.register(_DispatchCollector(dispatch_counts))
+        r.register(_CacheCollector(engine_stats))
         self.ttft = Histogram(
             "jinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -93,8 +122,10 @@ class ServingMetrics:
         self.waiting = Gauge("jinfer_requests_waiting", "Requests waiting for a slot", registry=r)
         self.slots = Gauge("jinfer_slots_in_use", "Slots in use", registry=r)
         self.kv_usage = Gauge(
-            "jinfer_kv_cache_usage_ratio", "Share of KV cache positions holding tokens", registry=r
+            "jinfer_kv_cache_usage_ratio", "Share of the KV pool's pages held by requests", registry=r
         )
+        self.kv_pages_total = Gauge("jinfer_kv_pages_total", "Pages in the KV pool", registry=r)
+        self.kv_pages_used = Gauge("jinfer_kv_pages_used", "KV pages held by requests", registry=r)
 
     def observe_finished(self, reason: str, metrics: dict[str, Any] | None) -> None:
         self.finished.labels(finish_reason=reason).inc()
@@ -114,4 +145,6 @@ class ServingMetrics:
         self.waiting.set(stats["waiting"])
         self.slots.set(stats["slots_in_use"])
         self.kv_usage.set(stats["kv_cache_usage"])
+        self.kv_pages_total.set(stats["kv_pages_total"])
+        self.kv_pages_used.set(stats["kv_pages_used"])
         return generate_latest(self.registry)

@@ -97,7 +97,8 @@ def add_flags(
             continue
         parse = _parser_for(hints[f.name])
         default = (defaults or {}).get(f.name, f.default)
-        shown = "auto" if parse is on_off_auto and default is None else _show(default)
+        auto = default is None and (parse is on_off_auto or "auto:" in f.metadata["doc"])
+        shown = "auto" if auto else _show(default)
         group.add_argument(
             "--" + f.name.replace("_", "-"),
             type=parse,

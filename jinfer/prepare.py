@@ -51,6 +51,7 @@ class PreparedRequest:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     dropped_prompt_tokens: int = 0  # context_policy="truncate"
     dropped_messages: int = 0  # context_policy="drop_oldest"
+    cache_salt: str | None = None  # the prefix cache finds its prompt only for requests with the same
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -183,10 +184,17 @@ class RequestPreparer:
         messages: Any = None,
         sampling: SamplingParams | None = None,
         context_policy: str | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
-        """Exactly one of `prompt` (text or ids) and `messages` (a chat)."""
+        """Exactly one of `prompt` (text or ids) and `messages` (a chat). `cache_salt`: prompts
+        cached under it are found only by requests with the same salt (tenants that must not
+        share the prefix cache, or measure each other's hits, use different salts)."""
         if (prompt is None) == (messages is None):
             raise RequestError("give either a prompt or messages", "prompt")
+        if cache_salt is not None and (not check_text(cache_salt, "cache_salt") or len(cache_salt) > 1024):
+            raise RequestError(
+                "cache_salt must be a non-empty string of at most 1024 characters", "cache_salt"
+            )
         sampling = self.sampling(sampling)
         policy = self.policy(context_policy)
         dropped_messages = 0
@@ -200,7 +208,9 @@ class RequestPreparer:
         stop_ids = frozenset(sampling.stop_token_ids or ()) | eos
         if len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}", "stop_token_ids")
-        return PreparedRequest(ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages)
+        return PreparedRequest(
+            ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages, cache_salt
+        )
 
     def _fit(self, ids: list[int], max_tokens: int | None, policy: str) -> tuple[list[int], int, int]:
         """(prompt ids, max_tokens within the window, prompt tokens dropped)."""

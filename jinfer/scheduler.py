@@ -5,14 +5,23 @@ to prefill into which slots, and which request owns each slot for the decode dis
 on the device, and later hands the device's tokens back to `commit`, the one place that decides
 a request is finished. Finishing frees the slot; the next plan may give it to a waiting request.
 
-    submit -> waiting (bounded) -> plan: slot reserved, prompt prefilled chunk by chunk
-           -> running: tokens committed one by one -> stop / length / abort / error -> slot freed
+    submit -> waiting (bounded) -> plan: a slot and the pages of its prompt (a cached prefix
+              shared, `jinfer.paging`), the rest prefilled chunk by chunk
+           -> running: pages added as it grows; tokens committed one by one
+           -> stop / length / abort / error -> slot and pages freed (full pages stay cached)
+    running, and the pool out of pages -> the latest admitted is preempted: back to the head of
+           the queue, its pages freed; readmitted, it prefills its prompt and output so far
+           (mostly from the prefix cache) and continues with the same tokens it would have made
 
-Each request reports to its `sink` (a callable) with `RequestOutput` events carrying text deltas.
-The scheduler never calls a sink itself: `plan`, `commit` and `fail` return the events they made
-(`Event`s: sink and output), which the engine delivers outside its lock. Text is produced by an
-incremental detokenizer; text that could be the start of a stop string is held back until it is
-known not to be one, and a matched stop string is never returned.
+Pages are taken and freed on the host ahead of the device: a dispatch in flight still writes into
+pages the host already freed, but the device runs dispatches in order, so whoever gets a page
+next writes it later; pages enter the prefix index only once the dispatches writing them are
+queued, and no dispatch ever writes into a full page.
+
+Each request reports to its `sink` (a callable) with `RequestOutput` events carrying text deltas
+(its `TextStream`: UTF-8-whole, stop strings held back and cut). The scheduler never calls a sink
+itself: `plan`, `commit` and `fail` return the events they made (`Event`s: sink and output), which
+the engine delivers outside its lock.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jinfer.config import dispatch_steps
+from jinfer.paging import KVPages, SequencePages
 from jinfer.sampling import SamplingParams
-from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jinfer.tokenizer import TextStream, Tokenizer
 
 
 class QueueFullError(RuntimeError):
@@ -48,54 +58,12 @@ class RequestOutput:
     metrics: dict[str, Any] | None = None
 
 
-class TextStream:
-    """Token ids in, safe text deltas out: UTF-8-whole, stop strings matched across tokens."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self.stops = stops
-        self.pending = ""  # decoded but not yet emitted (might begin a stop string)
-        self.stopped = False  # a stop string matched: nothing after it is ever emitted
-
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Return (text safe to emit, whether a stop string was matched)."""
-        self.pending += self.detok.add([token_id])
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        """The rest of the text once generation ends (nothing, after a stop string)."""
-        if self.stopped:
-            return ""
-        self.pending += self.detok.flush()
-        return self._release(final=True)[0]
-
-    def _release(self, final: bool) -> tuple[str, bool]:
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            text, self.pending, self.stopped = self.pending[: min(hits)], "", True
-            return text, True
-        hold = 0 if final else self._stop_prefix_len()
-        cut = len(self.pending) - hold
-        text, self.pending = self.pending[:cut], self.pending[cut:]
-        return text, False
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
-
-
 @dataclasses.dataclass
 class Committed:
     """What `commit` made of a dispatch's tokens."""
 
     events: list[Event]
-    poisoned_slots: list[int]  # slots whose cache may now hold NaN/inf: clear them before reuse
+    poisoned_pages: list[int]  # pages that may now hold NaN/inf: zero them before anyone reuses them
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,20 +77,29 @@ class Request:
     sink: Callable[[RequestOutput], None]
     stream: TextStream
     dropped_prompt_tokens: int = 0
+    kv: SequencePages = dataclasses.field(default_factory=SequencePages)
     slot: int | None = None
-    prefilled: int = 0  # prompt tokens already in the cache
+    # What a slot's prefill computes: the prompt, or after a preemption the prompt and the output
+    # so far (`generated_before` tokens of it); `prefilled` of them are in the cache.
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)
+    generated_before: int = 0
+    prefilled: int = 0
+    first_chunk_start: int = 0  # where this admission's first computed chunk starts
     in_flight: int = 0  # output tokens that dispatched, not yet committed work may still produce
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
+    admissions: int = 0  # the scheduler's admission count when it last got a slot (latest: preempted first)
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
+    preemptions: int = 0
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def running(self) -> bool:
-        """In a slot with its whole prompt prefilled: decoded by every decode dispatch."""
-        return self.slot is not None and self.prefilled == len(self.prompt_ids) and not self.finished
+        """In a slot with its whole prefill done: decoded by every decode dispatch."""
+        return self.slot is not None and self.prefilled == len(self.prefill_ids) and not self.finished
 
     @property
     def wants_decode(self) -> bool:
@@ -130,14 +107,30 @@ class Request:
         a request that work on the device will surely finish would only compute discarded tokens."""
         return self.running and len(self.output_ids) + self.in_flight < self.max_tokens
 
+    @property
+    def written(self) -> int:
+        """Positions whose K/V are written (or dispatched) from tokens the host knows: the prefill
+        so far, then every token but the last one known (its K/V come with the next step)."""
+        return max(self.prefilled, len(self.prompt_ids) + len(self.output_ids) - 1)
+
+    def capacity(self, steps: int) -> int:
+        """Positions its pages must hold for a decode dispatch of `steps` steps: the device feeds
+        the last token sampled (perhaps still in flight) and writes `steps` positions from there."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight + steps - 1
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
     def metrics(self, now: float) -> dict[str, Any]:
         first = self.token_times[0] if self.token_times else None
         n = len(self.output_ids)
         decode_time = (self.token_times[-1] - first) if n > 1 else 0.0
         return {
             "prompt_tokens": len(self.prompt_ids),
+            "cached_prompt_tokens": self.cached_tokens or 0,
             "completion_tokens": n,
             "dropped_prompt_tokens": self.dropped_prompt_tokens,
+            "preemptions": self.preemptions,
             "queue_s": (self.admitted_at or now) - self.submitted_at,
             "ttft_s": (first - self.submitted_at) if first is not None else None,
             "inter_token_s": list(np.diff(self.token_times)) if n > 1 else [],
@@ -152,7 +145,8 @@ class PrefillWork:
     slot: int
     start: int  # position of the chunk's first token
     tokens: list[int]  # the chunk (unpadded)
-    last: bool  # the final chunk: its sampled token is the request's first output token
+    last: bool  # the final chunk: its sampled token is the request's next output token
+    first: bool  # the first chunk this admission computes (the slot's penalty history is set then)
 
 
 class Event(NamedTuple):
@@ -187,6 +181,7 @@ class Scheduler:
         max_queue: int,
         chunk_len: int,
         token_budget: int,
+        kv: KVPages,
         mixed_chunk_len: Callable[[int], int] | None = None,
         decode_steps: int = 1,
     ):
@@ -195,12 +190,15 @@ class Scheduler:
         self.max_queue = max_queue
         self.chunk_len = chunk_len
         self.token_budget = token_budget
+        self.kv = kv
         # Prompt tokens a decode dispatch can carry, given how many slots it decodes (the highest
         # busy slot + 1); None: prompts are never carried by decode dispatches.
         self.mixed_chunk_len = mixed_chunk_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.by_id: dict[str, Request] = {}
+        self.admissions = 0
+        self.preemptions = 0
         self._events: list[Event] = []  # made since the last plan / commit / fail returned them
         self._poisoned: list[int] = []
 
@@ -231,7 +229,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- engine side
     def plan(self) -> Plan:
-        """Apply cancellations, schedule prompt chunks, list decoders.
+        """Apply cancellations, give running requests the pages their next tokens need (preempting
+        the latest admitted when the pool runs out), schedule prompt chunks, list decoders.
 
         Prompt chunks go to requests part-way through a long prompt first, then to new admissions.
         With mixed prefill on and some request decoding, one chunk of at most `mixed_chunk_len(busy)`
@@ -244,6 +243,7 @@ class Scheduler:
         for request in self.slots:
             if request is not None and request.cancelled and not request.finished:
                 self._finish(request, "abort")
+        self._grow_running()
 
         owners = self._decode_owners() if self.mixed_chunk_len else []
         if any(owners):
@@ -259,7 +259,7 @@ class Scheduler:
             if budget <= 0:
                 break
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
-        # (the device runs the prefill first).
+        # (the device runs the prefill first; its admission gave it pages for that).
         return self._in_flight(Plan(prefills, self._decode_owners()))
 
     def _decode_owners(self) -> list[Request | None]:
@@ -276,26 +276,84 @@ class Scheduler:
         plan.events, self._events = self._events, []
         return plan
 
+    # ------------------------------------------------------------------------------ pages
+    def _grow_running(self) -> None:
+        """Pages for the next decode dispatch of every running request, oldest admission first;
+        when the pool has too few, the latest admitted requests are preempted until it has."""
+        for request in sorted((r for r in self.slots if r is not None), key=lambda r: r.admissions):
+            if not request.wants_decode:
+                continue
+            capacity = request.capacity(self.decode_steps)
+            while request.slot is not None and not self.kv.grow(request.kv, request.slot, capacity):
+                self._preempt(max((r for r in self.slots if r is not None), key=lambda r: r.admissions))
+
+    def _preempt(self, request: Request) -> None:
+        """Take a request out of its slot, its computed pages left in the prefix cache, and put it
+        first in line: when it gets a slot again it prefills its prompt and output so far (mostly
+        from the cache) and continues exactly where it was. Tokens still in flight for it are
+        committed as usual meanwhile."""
+        self.kv.register(request.kv, request.tokens, request.written)
+        self.kv.remove(request.kv, request.slot)
+        self.slots[request.slot], request.slot = None, None
+        request.prefilled = 0
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _reserve(self) -> int:
+        """Pages kept free at admission for the running requests' next dispatch: admitting into
+        them would only preempt the newcomer again."""
+        per_request = -(-self.decode_steps // self.kv.page_size)
+        return per_request * sum(r is not None and r.running for r in self.slots)
+
+    def _admit(self) -> Request | None:
+        """The first waiting request, in the lowest free slot, if the pool holds its prefill and
+        first decode steps (beside the reserve); None otherwise (it keeps its turn)."""
+        if not self.waiting or None not in self.slots:
+            return None
+        request = self.waiting[0]
+        if request.in_flight:  # preempted with tokens in flight: resumes once they are committed
+            return None
+        prefill_ids = request.tokens()
+        capacity = len(prefill_ids) + self.decode_steps
+        hits = self.kv.cached_prefix(request.kv, prefill_ids)
+        if self.kv.cost(hits, capacity) + self._reserve() > self.kv.pool.available:
+            return None
+        self.waiting.popleft()
+        slot = self.slots.index(None)
+        self.slots[slot], request.slot = request, slot
+        request.prefill_ids, request.generated_before = prefill_ids, len(request.output_ids)
+        request.prefilled = request.first_chunk_start = self.kv.place(request.kv, slot, prefill_ids, capacity)
+        if request.cached_tokens is None:
+            request.cached_tokens = request.prefilled
+        self.admissions += 1
+        request.admissions = self.admissions
+        request.admitted_at = request.admitted_at or time.perf_counter()
+        return request
+
     def _needing_prefill(self):
         """Requests with prompt left to prefill: those part-way through first, then admissions
-        (each admitted when its turn comes, into the lowest free slot)."""
+        (each admitted when its turn comes and the pool has room)."""
         for request in self.slots:
-            if request is not None and request.prefilled < len(request.prompt_ids):
+            if request is not None and request.prefilled < len(request.prefill_ids):
                 yield request
-        while self.waiting and None in self.slots:
-            request = self.waiting.popleft()
-            slot = self.slots.index(None)
-            self.slots[slot], request.slot = request, slot
-            request.admitted_at = time.perf_counter()
+        while (request := self._admit()) is not None:
             yield request
 
     def _next_chunk(self, request: Request, max_len: int) -> PrefillWork:
+        if request.prefilled > request.first_chunk_start:  # others may have cached more since
+            request.prefilled = self.kv.catch_up(
+                request.kv, request.slot, request.prefill_ids, request.prefilled
+            )
         start = request.prefilled
-        chunk = request.prompt_ids[start : start + max_len]
+        chunk = request.prefill_ids[start : start + max_len]
         request.prefilled += len(chunk)
-        last = request.prefilled == len(request.prompt_ids)
-        request.in_flight += last  # the last chunk samples the first output token
-        return PrefillWork(request, request.slot, start, chunk, last)
+        last = request.prefilled == len(request.prefill_ids)
+        request.in_flight += last  # the last chunk samples the next output token
+        self.kv.register(request.kv, request.tokens, request.prefilled)
+        return PrefillWork(
+            request, request.slot, start, chunk, last, first=start == request.first_chunk_start
+        )
 
     def commit(
         self,
@@ -321,11 +379,16 @@ class Scheduler:
                 if logprobs is not None and request.sampling.logprobs is not None:
                     entry = _logprob_entry(logprobs, step, row, token, request.sampling.logprobs)
                 self._accept(request, token, is_bad, entry, now)
+            if not request.finished and request.slot is not None:
+                self.kv.register(request.kv, request.tokens, request.written)
         committed = Committed(self._events, self._poisoned)
         self._events, self._poisoned = [], []
         return committed
 
     def fail(self, requests: list[Request], message: str) -> list[Event]:
+        """End requests a device failure touched. What the failed call was to write cannot be
+        trusted, so nothing computed so far stays findable in the prefix cache."""
+        self.kv.pool.forget()
         for request in requests:
             if not request.finished:
                 self._finish(request, "error", error=message)
@@ -338,8 +401,8 @@ class Scheduler:
     # ----------------------------------------------------------------------------- internal
     def _accept(self, request: Request, token: int, bad: bool, logprob: dict | None, now: float) -> None:
         if bad:
-            self._poisoned.append(request.slot)
-            self._finish(request, "error", error="the model produced NaN or infinite logits for this request")
+            message = "the model produced NaN or infinite logits for this request"
+            self._finish(request, "error", error=message, poisoned=True)
             return
         if token in request.stop_ids and len(request.output_ids) >= request.sampling.min_tokens:
             self._finish(request, "stop")
@@ -356,7 +419,12 @@ class Scheduler:
             self._events.append(Event(request.sink, event))
 
     def _finish(
-        self, request: Request, reason: str, event: RequestOutput | None = None, error: str | None = None
+        self,
+        request: Request,
+        reason: str,
+        event: RequestOutput | None = None,
+        error: str | None = None,
+        poisoned: bool = False,
     ) -> None:
         event = event or RequestOutput(request.request_id)
         if reason != "error":
@@ -364,8 +432,14 @@ class Scheduler:
         request.finished = True
         event.finished, event.finish_reason, event.error = True, reason, error
         event.metrics = request.metrics(time.perf_counter())
-        if request.slot is not None and self.slots[request.slot] is request:
-            self.slots[request.slot] = None
+        if request.slot is not None:
+            if reason != "error":
+                self.kv.register(request.kv, request.tokens, request.written)
+            # NaN in its pages: none stays cached, and those it frees are zeroed before reuse.
+            self._poisoned += self.kv.remove(request.kv, request.slot, poisoned)
+            self.slots[request.slot], request.slot = None, None
+        elif request in self.waiting:  # preempted, then finished by tokens that were in flight
+            self.waiting.remove(request)
         self.by_id.pop(request.request_id, None)
         self._events.append(Event(request.sink, event))
 

@@ -33,7 +33,7 @@ class SlotState:
     generated: jax.Array  # [S] int32: tokens sampled so far
     min_tokens: jax.Array  # [S] int32: stop tokens are banned while generated < min_tokens
     counts: jax.Array  # [S, V] int32: output-token counts (presence / frequency penalties)
-    prompt_mask: jax.Array  # [S, V] bool: tokens of the prompt (repetition penalty)
+    prompt_mask: jax.Array  # [S, V] bool: tokens of the prompt (repetition penalty; set by `history`)
     bias: jax.Array  # [S, V] float32: logit bias
     stop_mask: jax.Array  # [S, V] bool: eos + stop_token_ids
     sampling: SamplingArrays  # [S] knobs
@@ -96,6 +96,7 @@ class PrefillChunk:
     start: jax.Array  # [] int32: position of tokens[0, 0]
     length: jax.Array  # [] int32: real tokens in this chunk
     last: jax.Array  # [] bool: the prompt's final chunk (only its logits are used)
+    generated: jax.Array  # [] int32: output tokens the request had before this prefill (preemption)
     min_tokens: jax.Array  # [] int32
     bias_ids: jax.Array  # [MAX_LOGIT_BIAS] int32, padded with V (dropped)
     bias_values: jax.Array  # [MAX_LOGIT_BIAS] float32
@@ -108,7 +109,7 @@ _KNOBS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 # Knobs that travel in the int32 array: top_k, and the uint32 seed carried bit for bit.
 _INT_KNOBS = tuple(n for n in _KNOBS if not np.issubdtype(getattr(_EMPTY_KNOBS, n).dtype, np.floating))
 _FLOAT_KNOBS = tuple(n for n in _KNOBS if n not in _INT_KNOBS)
-_SCALARS = ("slot", "start", "length", "last", "min_tokens", "want_logprobs")
+_SCALARS = ("slot", "start", "length", "last", "generated", "min_tokens", "want_logprobs")
 _BOOLS = ("last", "want_logprobs")
 # (field, length) in array order; the int32 array ends with the tokens, of the chunk's bucket size.
 _INT_FIELDS = (
@@ -170,6 +171,7 @@ def pack_chunk(
     start: int,
     length: int,
     last: bool,
+    generated: int,
     min_tokens: int,
     bias,
     stop_ids,
@@ -186,7 +188,8 @@ def pack_chunk(
     stops = np.full(MAX_STOP_IDS, vocab, np.int32)
     stops[: len(stop_ids)] = list(stop_ids)
     knob = lambda name: np.asarray(getattr(sampling, name)).reshape(1)
-    ints = {"slot": slot, "start": start, "length": length, "last": last, "min_tokens": min_tokens}
+    ints = {"slot": slot, "start": start, "length": length, "last": last, "generated": generated}
+    ints |= {"min_tokens": min_tokens}
     ints |= {"want_logprobs": want_logprobs, "bias_ids": bias_ids, "stop_ids": stops}
     ints |= {n: knob(n).view(np.int32) if n == "seed" else knob(n).astype(np.int32) for n in _INT_KNOBS}
     floats = {"bias_values": bias_values} | {n: knob(n).astype(np.float32) for n in _FLOAT_KNOBS}

@@ -1,22 +1,30 @@
 """The jitted device steps, built once per (model config, layout, mesh).
 
-Three verbs touch the preallocated cache, all with the cache and slot state donated:
+Three verbs touch the paged KV cache, all with the cache and slot state donated, all reading the
+host's block tables [slots, max_pages] (not donated: the host re-uploads them when they change):
 
-  prefill(params, cache, state, chunk) -> cache, state, out
+  prefill(params, cache, state, tables, chunk) -> cache, state, out
       One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
-      slot's rows of the shared cache, at positions start.. (so a long prompt is just several
-      chunks, each attending to the ones before it). The last real position's logits give the
-      request's first token, sampled on device; the slot's state row is (re)initialised from the
-      request (sampling knobs, logit bias, stop ids, prompt-token mask for penalties).
-  decode[rows, attn_len](params, cache, state, active, want_logprobs) -> cache, state, out
+      sequence's pages, at positions start.. (so a long prompt is just several chunks, each
+      attending to the ones before it, and a prompt whose first pages came from the prefix cache
+      starts past them). The last real position's logits give the request's first token, sampled
+      on device; the slot's state row is (re)initialised from the request (sampling knobs, logit
+      bias, stop ids, how many tokens it generated before a preemption).
+  decode[rows, attn_len](params, cache, state, tables, active, want_logprobs) -> cache, state, out
       `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
       slot's last token, samples the next one per slot and keeps it on device for the following
-      step. Inactive slots among them compute too (shapes are fixed) but do not advance.
-  mixed[rows, attn_len](params, cache, state, active, want_logprobs, chunk) -> ..., out, chunk_out
+      step. Inactive slots among them compute too (shapes are fixed) but neither write nor advance.
+  mixed[rows, attn_len](params, cache, state, tables, active, want_logprobs, chunk)
+      -> ..., out, chunk_out
       One decode step that also prefills a prompt chunk (padded to `mixed_chunk_len(rows)`) into
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
+
+Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask and output-token
+counts (what the penalties read) from the tokens the request really has, whatever the prefix
+cache spared it from computing or a preemption made it recompute; `clear_pages` zeroes pages that
+may hold NaN or infinities before they are reused (0 * NaN would leak through masking).
 
 One compiled decode per (rows, attn_len) bucket pair: `rows` (a slot-count bucket covering the
 highest busy slot; the scheduler fills the lowest free slot first) keeps a lightly loaded engine
@@ -24,10 +32,6 @@ from paying for every slot, and `attn_len` keeps attention to the filled part of
 an attention kernel, which reads only each row's filled part itself, there is one `attn_len`).
 Log-probs are computed under `lax.cond` when some request asks for them, so they cost nothing
 otherwise and need no compiled variant of their own.
-
-Fusing "insert" into prefill (writing K/V directly into the slot rows instead of returning them
-for a separate copy) saves a full copy of the prompt's K/V per request and makes chunked prefill
-the same code path as a short prompt.
 
 Only int32 tokens, per-slot flags and (when asked) log-probs leave the device; the engine reads
 them one iteration late so the host overlaps the device.
@@ -86,8 +90,10 @@ def _choose(logits, prompt_mask, counts, bias, banned, sampling, positions, want
 
 
 def _chunk_group(chunk: PrefillChunk) -> llama.TokenGroup:
-    positions = chunk.start + jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)[None, :]
-    return llama.TokenGroup(chunk.tokens, positions, chunk.slot[None])
+    offsets = jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)[None, :]
+    return llama.TokenGroup(
+        chunk.tokens, chunk.start + offsets, chunk.slot[None], valid=offsets < chunk.length
+    )
 
 
 def _last_real(hidden: jax.Array, chunk: PrefillChunk) -> jax.Array:
@@ -104,22 +110,21 @@ def _no_logits(vocab: int) -> jax.Array:
 def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab: int):
     """Sample a token from a prompt chunk's last logits [1, V] and (re)initialise the slot's state row.
 
-    Chunks after a prompt's first add their tokens to the slot's prompt mask; the token sampled
-    after the last chunk is the request's first output token (earlier chunks' are discarded).
+    The token sampled after a prompt's last chunk is the request's next output token (the first,
+    unless a preemption made it prefill its earlier output again); earlier chunks' are discarded.
+    The penalties read the row's prompt mask and output counts as `history` left them (a fresh
+    request's counts start at zero).
     """
-    slot, length = chunk.slot, chunk.length
-    real = jnp.arange(chunk.tokens.shape[1]) < length
-    prompt_row = jnp.where(chunk.start == 0, False, state.prompt_mask[slot])
-    prompt_row = prompt_row.at[jnp.where(real, chunk.tokens[0], vocab)].set(True, mode="drop")
+    slot = chunk.slot
     bias_row = jnp.zeros((vocab,), jnp.float32).at[chunk.bias_ids].set(chunk.bias_values, mode="drop")
     stop_row = jnp.zeros((vocab,), bool).at[chunk.stop_ids].set(True, mode="drop")
-    no_counts = jnp.zeros((1, vocab), jnp.int32)
-    banned = (stop_row & (chunk.min_tokens > 0))[None]
-    position = chunk.start + length  # where the sampled token goes
+    counts_row = jnp.where(chunk.generated > 0, state.counts[slot], 0)
+    banned = (stop_row & (chunk.generated < chunk.min_tokens))[None]
+    position = chunk.start + chunk.length  # where the sampled token goes
     token, out = _choose(
         logits,
-        prompt_row[None],
-        no_counts,
+        state.prompt_mask[slot][None],
+        counts_row[None],
         bias_row[None],
         banned,
         chunk.sampling,
@@ -127,13 +132,15 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab:
         chunk.want_logprobs,
     )
     set_row = lambda array, value: array.at[slot].set(value)
-    state = SlotState(
+    state = state.replace(
         tokens=set_row(state.tokens, token[0]),
         positions=set_row(state.positions, position),
-        generated=set_row(state.generated, 1),
+        generated=set_row(state.generated, chunk.generated + 1),
         min_tokens=set_row(state.min_tokens, chunk.min_tokens),
-        counts=set_row(state.counts, no_counts[0].at[token[0]].set(1)),
-        prompt_mask=set_row(state.prompt_mask, prompt_row),
+        # An earlier chunk's token is discarded: it must not count (a resumed row's counts carry on).
+        counts=set_row(
+            state.counts, jnp.where(chunk.last, counts_row.at[token[0]].add(1), state.counts[slot])
+        ),
         bias=set_row(state.bias, bias_row),
         stop_mask=set_row(state.stop_mask, stop_row),
         sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, chunk.sampling),
@@ -141,9 +148,9 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab:
     return state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _prefill(params, cache: KVCache, state: SlotState, packed: PackedChunk, *, cfg, vocab):
+def _prefill(params, cache: KVCache, state: SlotState, tables, packed: PackedChunk, *, cfg, vocab):
     chunk = packed.unpack()
-    (hidden,), cache = llama.forward_groups(params, (_chunk_group(chunk),), cfg, cache)
+    (hidden,), cache = llama.forward_groups(params, (_chunk_group(chunk),), cfg, cache, tables)
     logits = jax.lax.cond(
         chunk.last,
         lambda: llama.logits(params, _last_real(hidden, chunk))[:, :vocab],
@@ -153,8 +160,23 @@ def _prefill(params, cache: KVCache, state: SlotState, packed: PackedChunk, *, c
     return cache, state, out
 
 
+def _history(state: SlotState, packed: jax.Array, *, vocab):
+    """Set one slot's prompt mask and output counts from its tokens: packed = [slot, prompt length,
+    length, tokens (padded)...] int32; tokens before the prompt length are the prompt's, the rest
+    up to length outputs."""
+    slot, prompt_len, length, tokens = packed[0], packed[1], packed[2], packed[3:]
+    index = jnp.arange(tokens.shape[0])
+    prompt_ids = jnp.where(index < prompt_len, tokens, vocab)
+    output_ids = jnp.where((index >= prompt_len) & (index < length), tokens, vocab)
+    mask = jnp.zeros((vocab,), bool).at[prompt_ids].set(True, mode="drop")
+    counts = jnp.zeros((vocab,), jnp.int32).at[output_ids].add(1, mode="drop")
+    return state.replace(
+        prompt_mask=state.prompt_mask.at[slot].set(mask), counts=state.counts.at[slot].set(counts)
+    )
+
+
 def _decode_step(
-    params, cache, state, active, want_logprobs, chunk, *, cfg, vocab, attn_len, attention_kernel
+    params, cache, state, tables, active, want_logprobs, chunk, *, cfg, vocab, attn_len, attention_kernel
 ):
     """One decode step for the state's rows (slots 0..rows-1), carrying a prompt chunk when there is
     one: every weight is read once for both. Returns the cache, the rows' state, their output
@@ -163,7 +185,7 @@ def _decode_step(
     groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
     if chunk is not None:
         groups.append(_chunk_group(chunk))
-    hidden, cache = llama.forward_groups(params, groups, cfg, cache, attn_len, attention_kernel)
+    hidden, cache = llama.forward_groups(params, groups, cfg, cache, tables, attn_len, attention_kernel)
     last = hidden[0][:, 0]  # [rows, D]
     if chunk is None:
         logits, chunk_logits = llama.logits(params, last)[:, :vocab], None
@@ -210,12 +232,15 @@ def _put_rows(full: SlotState, part: SlotState) -> SlotState:
     return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
 
 
-def _decode(params, cache, state, active, want_logprobs, *, steps, **step_options):
+def _decode(params, cache, state, tables, active, want_logprobs, *, steps, **step_options):
     """`steps` decode steps for slots 0..rows-1 (`lax.scan`): the cache, the state and the output
     [steps, rows]."""
 
     def scan_step(carry, _):
-        cache, rows_state, out, _ = _decode_step(params, *carry, active, want_logprobs, None, **step_options)
+        cache, rows_state = carry
+        cache, rows_state, out, _ = _decode_step(
+            params, cache, rows_state, tables, active, want_logprobs, None, **step_options
+        )
         return (cache, rows_state), out
 
     carry = (cache, _rows(state, active.shape[0]))
@@ -223,7 +248,9 @@ def _decode(params, cache, state, active, want_logprobs, *, steps, **step_option
     return cache, _put_rows(state, rows_state), outs
 
 
-def _mixed(params, cache, state, active, want_logprobs, packed: PackedChunk, *, vocab, **step_options):
+def _mixed(
+    params, cache, state, tables, active, want_logprobs, packed: PackedChunk, *, vocab, **step_options
+):
     """One decode step for slots 0..rows-1 that also prefills a prompt chunk into another slot:
     the cache, the state, the decode output [1, rows] and the chunk's output [1, 1]."""
     chunk = packed.unpack()
@@ -231,6 +258,7 @@ def _mixed(params, cache, state, active, want_logprobs, packed: PackedChunk, *, 
         params,
         cache,
         _rows(state, active.shape[0]),
+        tables,
         active,
         want_logprobs,
         chunk,
@@ -242,15 +270,9 @@ def _mixed(params, cache, state, active, want_logprobs, packed: PackedChunk, *, 
     return cache, state, jax.tree.map(lambda x: x[None], out), chunk_out
 
 
-def _clear_slot(cache: KVCache, slot):
-    """Zero one slot's cache rows (after non-finite values: 0 * NaN would leak through masking)."""
-
-    def clear(buffer):
-        return jax.lax.dynamic_update_slice(
-            buffer, jnp.zeros((1, *buffer.shape[1:]), buffer.dtype), (slot, 0, 0, 0)
-        )
-
-    return jax.tree.map(clear, cache)
+def _clear_pages(cache: KVCache, pages: jax.Array) -> KVCache:
+    """Zero pages [n] of every pool (entries past the pool are padding)."""
+    return jax.tree.map(lambda pool: pool.at[:, pages].set(0, mode="drop"), cache)
 
 
 @dataclasses.dataclass
@@ -264,9 +286,11 @@ class Steps:
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
-    clear_slot: callable  # (cache, slot) -> cache
+    history: callable  # (state, [slot, prompt length, length, tokens...]) -> state
+    clear_pages: callable  # (cache, pages [max_pages]) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
+    tables_sharding: NamedSharding
 
     attention_kernel = property(lambda self: self.layout.attention_kernel)
     attention_buckets = property(lambda self: self.layout.attention_buckets)
@@ -275,23 +299,27 @@ class Steps:
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
         decodes = dict.fromkeys((*self.decode.values(), *self.mixed.values()))
-        verbs = (self.prefill, *decodes, self.clear_slot)
+        verbs = (self.prefill, *decodes, self.history, self.clear_pages)
         return sum(f._cache_size() for f in verbs)
 
     def new_cache(self, dtype) -> KVCache:
-        return init_cache(
-            self.model, self.layout.max_slots, self.layout.max_seq_len, dtype, self.cache_sharding
-        )
+        layout = self.layout
+        return init_cache(self.model, layout.num_pages, layout.page_size, dtype, self.cache_sharding)
 
     def new_state(self) -> SlotState:
         return new_state(self.layout.max_slots, self.vocab_size, self.state_shardings)
+
+    def put_tables(self, tables) -> jax.Array:
+        """The host's block tables [slots, max_pages] on the device."""
+        return jax.device_put(tables, self.tables_sharding)
 
 
 def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings, vocab_size: int) -> Steps:
     """Jit prefill and decode once, with explicit shardings and the cache and state donated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     by_slot = NamedSharding(mesh, PartitionSpec(DATA))
-    cache_sharding = NamedSharding(mesh, PartitionSpec(DATA, MODEL, None, None))  # [B, K, S, H]
+    # [K, P, page_size, H]: heads over the model axis, pages over the data axis.
+    cache_sharding = NamedSharding(mesh, PartitionSpec(MODEL, DATA, None, None))
     cache_shardings = KVCache(k=(cache_sharding,) * model.num_layers, v=(cache_sharding,) * model.num_layers)
     state_shardings = slot_state_shardings(mesh)
     common = {"cfg": model, "vocab": vocab_size}
@@ -304,10 +332,11 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
             fn = partial(_mixed, **options)
         else:
             fn = partial(_decode, steps=dispatch_steps(layout.decode_steps, mixed=False), **options)
+        chunk = (replicated,) if mixed else ()
         return jax.jit(
             fn,
-            in_shardings=(param_shardings, *carried, by_slot, replicated) + ((replicated,) if mixed else ()),
-            out_shardings=(*carried, replicated) + ((replicated,) if mixed else ()),
+            in_shardings=(param_shardings, *carried, replicated, by_slot, replicated, *chunk),
+            out_shardings=(*carried, replicated, *chunk),
             donate_argnums=(1, 2),
         )
 
@@ -324,18 +353,25 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
         mesh=mesh,
         prefill=jax.jit(
             partial(_prefill, **common),
-            in_shardings=(param_shardings, *carried, replicated),
+            in_shardings=(param_shardings, *carried, replicated, replicated),
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         ),
         decode=by_bucket_pair(mixed=False),
         mixed=by_bucket_pair(mixed=True) if layout.mixed_prefill_tokens else {},
-        clear_slot=jax.jit(
-            _clear_slot,
+        history=jax.jit(
+            partial(_history, vocab=vocab_size),
+            in_shardings=(state_shardings, replicated),
+            out_shardings=state_shardings,
+            donate_argnums=0,
+        ),
+        clear_pages=jax.jit(
+            _clear_pages,
             in_shardings=(cache_shardings, replicated),
             out_shardings=cache_shardings,
             donate_argnums=0,
         ),
         cache_sharding=cache_sharding,
         state_shardings=state_shardings,
+        tables_sharding=replicated,
     )

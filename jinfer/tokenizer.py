@@ -6,7 +6,8 @@ vocabulary) and `jinfer.load_tokenizer` picks the format by path.
 
 Chat templates are rendered by jinja2 in an immutable sandbox. `IncrementalDetokenizer` turns a
 growing id list into text deltas that are always whole UTF-8 characters and, concatenated, equal
-the full decode.
+the full decode; `TextStream` adds stop strings on top (text that could begin one is held back
+until it is known not to, a matched one is never returned).
 """
 
 from __future__ import annotations
@@ -218,3 +219,45 @@ class IncrementalDetokenizer:
         full_text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return full_text[len(prefix_text) :]
+
+
+class TextStream:
+    """Token ids in, safe text deltas out: UTF-8-whole, stop strings matched across tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stops = stops
+        self.pending = ""  # decoded but not yet emitted (might begin a stop string)
+        self.stopped = False  # a stop string matched: nothing after it is ever emitted
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was matched)."""
+        self.pending += self.detok.add([token_id])
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text once generation ends (nothing, after a stop string)."""
+        if self.stopped:
+            return ""
+        self.pending += self.detok.flush()
+        return self._release(final=True)[0]
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            text, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            return text, True
+        hold = 0 if final else self._stop_prefix_len()
+        cut = len(self.pending) - hold
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:k]):
+                    best = k
+                    break
+        return best

@@ -59,7 +59,7 @@ from benchlib import (
 )
 
 import jinfer
-from jinfer.kv_cache import cache_bytes
+from jinfer.kv_cache import bytes_per_token
 from jinfer.loading import default_model_path
 
 PREFILL_TOKENS = 256
@@ -95,7 +95,7 @@ def bytes_per_step(llm: jinfer.LLM, slots: int, prompt_len: int, tokens: int) ->
     """(bytes a step must read, bytes it reads) at the mid-point of the decode."""
     params = llm.engine.params
     weights = decode_weight_bytes(params)
-    per_position = cache_bytes(llm.engine.steps.model, 1, 1, params.final_norm.dtype)  # K and V, one slot
+    per_position = bytes_per_token(llm.engine.steps.model, params.final_norm.dtype)  # K and V
     layout = llm.engine.layout
     filled = prompt_len + tokens / 2
     # A kernel reads each slot up to its own position; the einsums read the whole attention bucket.
@@ -261,7 +261,7 @@ def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool
     best = min(time_decode_calls(engine, slots, reach, calls, position=context) for _ in range(3))
     compiles = engine.compile_count() - before
     weights = decode_weight_bytes(engine.params)
-    per_position = cache_bytes(engine.steps.model, 1, 1, engine.params.final_norm.dtype)
+    per_position = bytes_per_token(engine.steps.model, engine.params.final_norm.dtype)
     filled = context + calls * steps_per_call / 2
     return {"step_s": best, "needed_bytes": weights + slots * filled * per_position, "compiles": compiles}
 

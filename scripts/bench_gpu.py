@@ -47,7 +47,7 @@ from benchlib import (
 
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.formats.hf import model_config as hf_config
-from jinfer.kv_cache import cache_bytes
+from jinfer.kv_cache import bytes_per_token, contiguous_tables
 from jinfer.layout import resolve_layout
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
@@ -93,7 +93,7 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
 def prompt_chunk(cfg, tokens: int, slot: int = 0):
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
-    return pack_chunk(prompt, slot, 0, tokens, True, 0, {}, (), greedy, cfg.vocab_size, False)
+    return pack_chunk(prompt, slot, 0, tokens, True, 0, 0, {}, (), greedy, cfg.vocab_size, False)
 
 
 def best_time(call, carried, calls: int) -> float:
@@ -111,11 +111,17 @@ def fresh(steps, dtype):
     return steps.new_cache(dtype), steps.new_state()
 
 
+def tables_of(steps):
+    """Block tables giving every slot pages of its own for a full-length sequence."""
+    layout = steps.layout
+    return steps.put_tables(contiguous_tables(layout.max_slots, layout.max_seq_len, layout.page_size))
+
+
 def bench_prefill(cfg, steps, params, dtype, tokens: int, calls: int, peak_flop_s: float) -> dict:
-    chunk = prompt_chunk(cfg, tokens)
+    chunk, tables = prompt_chunk(cfg, tokens), tables_of(steps)
 
     def call(carried):
-        cache, state, out = steps.prefill(params, *carried, chunk)
+        cache, state, out = steps.prefill(params, *carried, tables, chunk)
         return (cache, state), out
 
     best = best_time(call, fresh(steps, dtype), calls)
@@ -136,13 +142,13 @@ def busy_state(steps, dtype, context: int):
 
 def time_decode(decode, steps, params, dtype, slots: int, args) -> float:
     """Seconds per decode step: `args.calls` back-to-back calls after one that compiles."""
-    active = jnp.ones((slots,), bool)
+    active, tables = jnp.ones((slots,), bool), tables_of(steps)
     cache, state = busy_state(steps, dtype, args.context)
-    cache, state, out = decode(params, cache, state, active, False)
+    cache, state, out = decode(params, cache, state, tables, active, False)
     out.tokens.block_until_ready()
     start = time.perf_counter()
     for _ in range(args.calls):
-        cache, state, out = decode(params, cache, state, active, False)
+        cache, state, out = decode(params, cache, state, tables, active, False)
     out.tokens.block_until_ready()
     return (time.perf_counter() - start) / (args.calls * steps.layout.decode_steps)
 
@@ -161,19 +167,19 @@ def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> 
     size = engine.mixed_chunk_len(slots)
     # The chunk goes to the last slot, which the decode step does not advance.
     active = jnp.arange(slots) < slots - 1
-    chunk = prompt_chunk(cfg, size, slot=slots - 1)
+    chunk, tables = prompt_chunk(cfg, size, slot=slots - 1), tables_of(steps)
     progress(f"mixed prefill at {slots} slots: a {size}-token chunk in a decode step")
 
     def decode(carried):
-        cache, state, out = steps.decode[slots, bucket](params, *carried, active, False)
+        cache, state, out = steps.decode[slots, bucket](params, *carried, tables, active, False)
         return (cache, state), out
 
     def mixed(carried):
-        cache, state, out, _ = steps.mixed[slots, bucket](params, *carried, active, False, chunk)
+        cache, state, out, _ = steps.mixed[slots, bucket](params, *carried, tables, active, False, chunk)
         return (cache, state), out
 
     def prefill(carried):
-        cache, state, out = steps.prefill(params, *carried, chunk)
+        cache, state, out = steps.prefill(params, *carried, tables, chunk)
         return (cache, state), out
 
     times = {
@@ -223,7 +229,7 @@ def main() -> int:
     params = jax.device_put(llama.init_params(cfg, jax.random.key(0), dtype), shardings)
     weights = decode_weight_bytes(params)
     layers, output = matrix_params(params)
-    per_position = cache_bytes(cfg, 1, 1, dtype)  # K and V of one position in one slot
+    per_position = bytes_per_token(cfg, dtype)  # K and V of one position
     rows, prefill, mixed = [], None, None
     for slots in slot_counts:
         base = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)

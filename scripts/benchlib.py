@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinfer.kv_cache import contiguous_tables
 from jinfer.models import llama
 
 LLAMA_CPP_VERSION = "0.3.36"
@@ -97,16 +98,22 @@ def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
 def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int | None = None) -> float:
     """Seconds per decode step over `calls` back-to-back calls of the engine's compiled decode for
     `slots` slots (over the attention bucket holding `reach` positions), on the engine's own cache
-    and state, which it keeps afterwards (they are donated). With `position`, every slot starts
-    there; otherwise where the engine's requests left it."""
+    and state, which it keeps afterwards (they are donated). Each slot reads and writes pages of its
+    own (as many as a full-length sequence has: the pool must hold slots x max_seq_len positions).
+    With `position`, every slot starts there; otherwise where the engine's requests left it."""
     decode = engine.steps.decode[slots, engine.steps.attention_bucket(reach)]
+    layout = engine.layout
+    tables = contiguous_tables(layout.max_slots, layout.max_seq_len, layout.page_size)
+    if tables.max() >= layout.num_pages:
+        raise ValueError("time_decode_calls needs a pool of max_slots x max_seq_len positions")
+    tables = engine.steps.put_tables(tables)
     active = np.ones(slots, bool)
     cache, state = engine.cache, engine.state
     if position is not None:
         state = state.replace(positions=jnp.full_like(state.positions, position))
     start = time.perf_counter()
     for _ in range(calls):
-        cache, state, out = decode(engine.params, cache, state, active, np.False_)
+        cache, state, out = decode(engine.params, cache, state, tables, active, np.False_)
     out.tokens.block_until_ready()
     engine.cache, engine.state = cache, state
     return (time.perf_counter() - start) / (calls * engine.layout.decode_steps)

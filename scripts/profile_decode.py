@@ -41,6 +41,7 @@ from benchlib import (
 )
 
 import jinfer
+from jinfer.kv_cache import contiguous_tables
 from jinfer.models import llama
 
 SCOPES = ("qkv_proj", "kv_write", "attention", "out_proj", "mlp", "logits", "sampling")
@@ -110,15 +111,17 @@ def profile(slots: int, packed_weights: bool) -> dict:
     bucket = engine.steps.attention_bucket(reach)
     decode = engine.steps.decode[slots, bucket]
     active = jnp.ones((slots,), bool)
+    layout = engine.layout
+    tables = engine.steps.put_tables(contiguous_tables(slots, layout.max_seq_len, layout.page_size))
     scopes = op_scopes(
-        decode.lower(engine.params, engine.cache, engine.state, active, False).compile().as_text()
+        decode.lower(engine.params, engine.cache, engine.state, tables, active, False).compile().as_text()
     )
     cache, state = engine.cache, engine.state
 
     def run(calls):
         nonlocal cache, state
         for _ in range(calls):
-            cache, state, out = decode(engine.params, cache, state, active, False)
+            cache, state, out = decode(engine.params, cache, state, tables, active, False)
         out.tokens.block_until_ready()
 
     run(2)

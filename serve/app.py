@@ -38,7 +38,7 @@ from .protocol import (
     parse_json_object,
     usage,
 )
-from .responses import ResponseWriter, prompt_tokens_used
+from .responses import ResponseWriter
 from .settings import ServerConfig
 
 log = logging.getLogger("jinfer.serve")
@@ -155,11 +155,14 @@ class JinferAPI(ResponseWriter):
 
     def _prepare(self, req: GenerationRequest) -> PreparedRequest:
         try:
+            options = {
+                "sampling": req.sampling,
+                "context_policy": req.context_policy,
+                "cache_salt": req.cache_salt,
+            }
             if req.kind == "chat":
-                return self.preparer.prepare(
-                    messages=req.messages, sampling=req.sampling, context_policy=req.context_policy
-                )
-            return self.preparer.prepare(req.prompt, sampling=req.sampling, context_policy=req.context_policy)
+                return self.preparer.prepare(messages=req.messages, **options)
+            return self.preparer.prepare(req.prompt, **options)
         except ContextLengthError as e:
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
@@ -323,7 +326,7 @@ class JinferAPI(ResponseWriter):
                             "index": index,
                             "finish_reason": event.finish_reason,
                             "error": event.error,
-                            "usage": usage(prompt_tokens_used(event, prompt_ids), completion),
+                            "usage": usage(event, prompt_ids, completion),
                         }
                     )
         except (WebSocketDisconnect, RuntimeError):

@@ -159,6 +159,7 @@ class GenerationRequest:
     top_logprobs: int | None  # None: no logprobs
     context_policy: str | None
     user: str | None
+    cache_salt: str | None = None  # prompts cached under a salt are found only by requests with the same
 
 
 # Body fields passed to SamplingParams as they are (it checks their types and ranges).
@@ -220,6 +221,9 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise APIError(400, "'user' must be a string", param="user")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
     top_k = body.get("top_k")
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     try:
@@ -246,6 +250,7 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
         top_logprobs=logprobs,
         context_policy=policy,
         user=user,
+        cache_salt=cache_salt,
     )
 
 
@@ -293,11 +298,17 @@ def format_logprobs(kind: str, tokenizer, entries: list[dict], text_offset: int 
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(final_event, prompt_ids: list[int], completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object, the prompt's figures from a finished choice's metrics: the prompt
+    tokens the engine used (fewer than sent when it truncated) and how many of them it found in
+    the prefix cache."""
+    metrics = final_event.metrics if final_event is not None else None
+    prompt_tokens = metrics["prompt_tokens"] if metrics else len(prompt_ids)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": (metrics or {}).get("cached_prompt_tokens", 0)},
     }
 
 

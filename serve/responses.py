@@ -86,7 +86,7 @@ class ResponseWriter:
             "created": now(),
             "model": self.model_name,
             "choices": body_choices,
-            "usage": usage(prompt_tokens_used(choices[0]["final"], prompt_ids), completion_tokens),
+            "usage": usage(choices[0]["final"], prompt_ids, completion_tokens),
             "jinfer": {"timings": [timings(c["final"].metrics) for c in choices]},
         }
         return JSONResponse(body)
@@ -135,7 +135,7 @@ class ResponseWriter:
                 body.update(extra)
             return sse_data(body)
 
-        completion_tokens, prompt_tokens = 0, len(prompt_ids)
+        completion_tokens, finals = 0, [None] * req.n
         remaining = req.n
         timing_list = [None] * req.n
         try:
@@ -157,7 +157,7 @@ class ResponseWriter:
                     if event.finished:
                         remaining -= 1
                         completion_tokens += event.metrics["completion_tokens"] if event.metrics else 0
-                        prompt_tokens = prompt_tokens_used(event, prompt_ids)
+                        finals[index] = event
                         timing_list[index] = timings(event.metrics)
                         yield chunk(index, "".join(buffer["text"]), event.finish_reason, buffer["entries"])
                         buffers[index] = {"text": [], "entries": []}
@@ -172,7 +172,7 @@ class ResponseWriter:
                     "created": created,
                     "model": self.model_name,
                     "choices": [],
-                    "usage": usage(prompt_tokens, completion_tokens),
+                    "usage": usage(finals[0], prompt_ids, completion_tokens),
                     "jinfer": {"timings": timing_list},
                 }
                 yield sse_data(body)
@@ -204,12 +204,6 @@ class ResponseWriter:
             if item[1].finished:
                 break
         return events
-
-
-def prompt_tokens_used(final_event, prompt_ids: list[int]) -> int:
-    """Prompt tokens the engine actually used (fewer than sent when the prompt was truncated)."""
-    metrics = final_event.metrics if final_event is not None else None
-    return metrics["prompt_tokens"] if metrics else len(prompt_ids)
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -175,3 +175,30 @@ def test_mixed_chunk_sizes_follow_the_products_in_effect():
     # Carried prompt chunks fill the packed kernel's first 8 columns; past them each column costs.
     packed = dataclasses.replace(latency, packed_weights=True)
     assert [packed.mixed_chunk_len(busy) for busy in (1, 4, 8)] == [7, 4, 4]
+
+
+def test_the_page_pool_is_sized_in_whole_pages_and_caps_the_sequence_length():
+    from jinfer.config import EngineConfig
+    from jinfer.layout import resolve_layout
+
+    model = ModelConfig("llama", 320, 64, 128, 2, 4, 2, 16)
+    per_token = 2 * 2 * 2 * 16 * 4
+
+    def layout(**options):
+        config = EngineConfig(packed_weights=False, **options)
+        return resolve_layout(
+            config, model, 1, cache_bytes_per_token=per_token, weight_bytes=0, available_bytes=2**30
+        )
+
+    auto = layout(max_slots=4, max_seq_len=1000, page_size=16)
+    # A CPU's auto pool: max_slots x max_seq_len positions in whole pages, plus the sink page.
+    assert (auto.num_pages, auto.kv_cache_tokens, auto.max_pages) == (251, 4000, 63)
+    asked = layout(max_slots=64, max_seq_len=1024, kv_cache_tokens=3000, page_size=32)
+    assert (asked.kv_cache_tokens, asked.max_slots, asked.max_seq_len) == (3008, 64, 1024)
+    small = layout(max_seq_len=1024, kv_cache_tokens=100)  # no sequence grows past the pool
+    assert (small.kv_cache_tokens, small.max_seq_len, small.max_pages) == (112, 112, 7)
+    sharded = layout(max_slots=4, max_seq_len=64, kv_cache_tokens=64, mesh_data=4)
+    assert sharded.num_pages % 4 == 0 and sharded.kv_cache_tokens >= 64
+    assert "KV pool 250 pages x 16 positions = 4000 tokens" in auto.describe_pool(per_token)
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        EngineConfig(page_size=24)

@@ -97,6 +97,7 @@ def test_no_recompiles_after_warmup(tiny_model, mixed):
         max_seq_len=128,
         prefill_buckets=(16, 32),
         mixed_prefill_tokens=mixed,
+        kv_cache_tokens=256,  # two full-length sequences: the crowd below is preempted at times
     )
     llm.engine.warmup()
     before = llm.engine.compile_count()
@@ -107,15 +108,22 @@ def test_no_recompiles_after_warmup(tiny_model, mixed):
     prompts, samplings = zip(*[_cotenant(s) for s in range(12)], strict=True)
     samplings = list(samplings)
     samplings[0] = jinfer.SamplingParams(max_tokens=5, logit_bias={3: 2.0}, stop=["ab"], min_tokens=2)
-    prompts = [*prompts[:-1], _prompt(99, 100)]  # one long prompt: chunked
+    # One long prompt (chunked), and one prompt twice (found in the prefix cache), all growing
+    # long: together more than the pool holds.
+    long = jinfer.SamplingParams(max_tokens=100, temperature=0.5, seed=3, ignore_eos=True)
+    prompts = [*prompts[:-1], _prompt(99, 100), _prompt(98, 20), _prompt(97, 20), _prompt(98, 20)]
+    samplings[-1:] = [dataclasses.replace(long, max_tokens=20), long, long, long]
     results = llm.generate(list(prompts), samplings)
     assert all(r.finish_reason in ("stop", "length") for r in results)
+    stats = llm.engine.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert llm.engine.compile_count() == before
     assert compiles == []
 
 
 def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_tokens(tiny_model, monkeypatch):
-    # max_seq_len 100 is no multiple of the chunk sizes: the last chunks' padding runs past the cache.
+    # max_seq_len 100 is no multiple of the chunk sizes: the last chunks' padding runs past the
+    # sequence's pages (and is dropped). No prefix caching: every prompt is computed from its start.
     llm = jinfer.LLM(
         tiny_model("llama_gqa_untied")[0],
         max_slots=4,
@@ -123,6 +131,7 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
         prefill_buckets=(16, 32),
         mixed_prefill_tokens=8,
         decode_steps=2,
+        prefix_caching=False,
     )
     engine = llm.engine
     seeded_prompt = _prompt(2, 21)
@@ -303,9 +312,15 @@ def test_metrics_report_queue_ttft_and_inter_token_times(llm):
     assert len(m["inter_token_s"]) == 15 and all(t >= 0 for t in m["inter_token_s"])
 
 
-def test_memory_check_refuses_a_cache_that_cannot_fit(tiny_model):
-    with pytest.raises(ValueError, match=r"needs .* GiB but only .* GiB is available.*would fit"):
-        jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=4096, max_seq_len=256, memory_fraction=1e-4)
+def test_a_pool_that_cannot_fit_is_refused_with_one_that_would_and_auto_shrinks_to_fit(tiny_model):
+    path = tiny_model("llama_gqa_untied")[0]
+    refused = r"kv_cache_tokens=\d+ needs .* but only .* is available.*kv_cache_tokens=\d+ would fit"
+    with pytest.raises(ValueError, match=refused):
+        jinfer.LLM(path, max_slots=4, max_seq_len=256, kv_cache_tokens=10**6, memory_fraction=1e-4)
+    # Auto on a CPU is max_slots x max_seq_len positions, fewer when they do not fit.
+    llm = jinfer.LLM(path, max_slots=4096, max_seq_len=256, memory_fraction=1e-4, packed_weights=False)
+    assert 256 <= llm.engine.layout.kv_cache_tokens < 4096 * 256
+    assert llm.engine.layout.max_slots == 4096 and llm.engine.layout.max_seq_len == 256
 
 
 @pytest.mark.parametrize(("data", "model"), [(2, 4), (1, 8)])

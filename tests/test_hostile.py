@@ -85,6 +85,12 @@ HOSTILE = {
     "prompt ids with a bool": ("POST", "/v1/completions", b'{"prompt": [1, true, 3]}'),
     "model an integer": ("POST", "/v1/completions", b'{"prompt": "x", "model": 5}'),
     "unknown context_policy": ("POST", "/v1/completions", b'{"prompt": "x", "context_policy": "shrink"}'),
+    "cache_salt a number": ("POST", "/v1/completions", b'{"prompt": "x", "cache_salt": 7}'),
+    "cache_salt empty": (
+        "POST",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}',
+    ),
     "invalid UTF-8": ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}'),
     "detokenize past int32": ("POST", "/detokenize", b'{"tokens": [99999999999999999999]}'),
     "tokenize add_special_tokens a string": (

@@ -1,4 +1,6 @@
-"""Prefill into the KV cache followed by cached decode steps equals one full forward pass."""
+"""The paged KV cache: prefill into pages followed by cached decode steps equals one full forward
+pass, and every attention backend reading pages (XLA's gather, the C++ kernel, the Pallas kernel
+interpreted on a CPU) equals XLA's attention over the same keys laid out contiguously."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +10,26 @@ from tiny import VOCAB
 
 from jinfer.formats.hf import load_hf
 from jinfer.kernels import cpu_attention, gpu_attention
-from jinfer.kv_cache import init_cache
+from jinfer.kv_cache import gather_pages, init_cache, write_kv
 from jinfer.models import attention, llama
+
+
+def _scattered_tables(rows: int, pages: int, pool_pages: int, seed: int = 0) -> np.ndarray:
+    """Block tables giving each row `pages` distinct pages of the pool, in shuffled order (page 0,
+    the sink, never)."""
+    chosen = 1 + np.random.RandomState(seed).permutation(pool_pages - 1)[: rows * pages]
+    return chosen.reshape(rows, pages).astype(np.int32)
+
+
+def _paged(contiguous: np.ndarray, tables: np.ndarray, pool_pages: int, page_size: int) -> np.ndarray:
+    """Rows [B, K, S, H] laid out in a pool [K, P, page_size, H] through tables [B, S / page_size]
+    (the other pages hold noise that must never be read)."""
+    batch, heads, seq, head_dim = contiguous.shape
+    pool = np.random.RandomState(9).randn(heads, pool_pages, page_size, head_dim).astype(contiguous.dtype)
+    pool[:, tables] = contiguous.reshape(batch, heads, seq // page_size, page_size, head_dim).transpose(
+        1, 0, 2, 3, 4
+    )
+    return pool
 
 
 @pytest.mark.parametrize("kernel", [None, "cpu"], ids=["einsum", "cpu-kernel"])
@@ -18,24 +38,28 @@ def test_prefill_then_decode_equals_full_forward(family, kernel, tiny_model):
     directory, _ = tiny_model(family)
     loaded = load_hf(directory)
     params, cfg = loaded.params, loaded.config
-    total, prompt_len, padded = 40, 11, 16
+    total, prompt_len, padded, page_size = 40, 11, 16, 8
     ids = np.random.RandomState(3).randint(0, VOCAB, (2, total)).astype(np.int32)
 
     hidden, _ = llama.forward(params, ids, np.broadcast_to(np.arange(total), (2, total)), cfg)
     full = np.asarray(llama.logits(params, hidden))  # [2, total, V]
 
-    # Prefill a prompt padded past its length (as buckets do), then decode one token at a time.
-    cache = init_cache(cfg, batch=2, max_len=64)
+    # Prefill a prompt padded past its length (as buckets do), then decode one token at a time,
+    # each row's positions in shuffled pages of one pool.
+    pool_pages = 20
+    tables = _scattered_tables(2, 64 // page_size, pool_pages)
+    cache = init_cache(cfg, pool_pages, page_size)
     tokens = np.zeros((2, padded), np.int32)
     tokens[:, :prompt_len] = ids[:, :prompt_len]
-    hidden, cache = llama.forward(params, tokens, np.broadcast_to(np.arange(padded), (2, padded)), cfg, cache)
+    positions = np.broadcast_to(np.arange(padded), (2, padded))
+    hidden, cache = llama.forward(params, tokens, positions, cfg, cache, tables)
     step_logits = [np.asarray(llama.logits(params, hidden[:, prompt_len - 1]))]
     if kernel:
         assert cpu_attention.available()
 
     def decode_step(p, tokens, positions, cache):
         group = llama.TokenGroup(tokens, positions)
-        (hidden,), cache = llama.forward_groups(p, (group,), cfg, cache, attention_kernel=kernel)
+        (hidden,), cache = llama.forward_groups(p, (group,), cfg, cache, tables, attention_kernel=kernel)
         return hidden, cache
 
     decode = jax.jit(decode_step, donate_argnums=3)
@@ -45,6 +69,26 @@ def test_prefill_then_decode_equals_full_forward(family, kernel, tiny_model):
     cached = np.stack(step_logits, axis=1)  # logits after positions prompt_len-1 .. total-1
     reference = full[:, prompt_len - 1 :]
     assert np.abs(cached - reference).max() <= 1e-4 * np.ptp(reference)
+
+
+def test_writes_land_in_their_pages_and_dropped_ones_nowhere():
+    """Each position's K/V goes to its page and offset; invalid entries (chunk padding, inactive
+    rows) and positions past the table change nothing, the sink page included."""
+    heads, pool_pages, page_size, head_dim = 2, 9, 4, 8
+    tables = np.array([[3, 7, 1], [5, 2, 8]], np.int32)
+    positions = np.array([[2, 3, 4, 5, 12], [0, 1, 2, 3, 4]], np.int32)  # 12: past the 3-page table
+    valid = np.array([[True] * 5, [True, True, False, False, False]])
+    new = np.arange(2 * heads * 5 * head_dim, dtype=np.float32).reshape(2, heads, 5, head_dim) + 1
+    zeros = jnp.zeros((heads, pool_pages, page_size, head_dim))
+    got, _ = write_kv((zeros, zeros), new, new, positions, tables, valid)
+    want = np.zeros(zeros.shape, np.float32)
+    for b in range(2):
+        for t in range(5):
+            p = positions[b, t]
+            if valid[b, t] and p < 12:
+                want[:, tables[b, p // page_size], p % page_size] = new[b, :, t]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.all(want[:, 0] == 0) and np.all(want[:, [4, 6]] == 0)
 
 
 def test_random_init_follows_the_declaration(tiny_model):
@@ -66,80 +110,89 @@ def test_random_init_follows_the_declaration(tiny_model):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("window", [0, 40], ids=["causal", "sliding"])
-def test_decode_attention_kernel_equals_xla_attention(window, dtype):
-    """The Pallas kernel (real on a GPU, interpreted on a CPU) against the einsum attention."""
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_decode_attention_kernel_equals_xla_attention(page_size, dtype):
+    """The Pallas paged kernel (real on a GPU, interpreted on a CPU) against the einsum attention
+    over the same keys laid out contiguously."""
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu and dtype == jnp.float32:
         pytest.skip("the engine uses the kernel only for 16-bit caches on a GPU (float32 would be TF32)")
-    slots, rows, kv_heads, groups, length, head_dim = 6, 5, 2, 3, 2048, 64
-    assert gpu_attention.fits(length)
+    rows, kv_heads, groups, length, head_dim = 5, 2, 3, 1024, 64
+    pages = length // page_size
+    assert gpu_attention.fits(pages)
     rng = np.random.RandomState(0)
     q = jnp.asarray(rng.randn(rows, kv_heads, groups, 1, head_dim), dtype)
-    cache_k, cache_v = (jnp.asarray(rng.randn(slots, kv_heads, length, head_dim), dtype) for _ in range(2))
-    # Row 2 is idle (position -1: no keys); row 5 is not decoded.
-    positions = np.array([0, 17, -1, 300, length - 1], np.int32)
-    got = gpu_attention.attention(q, cache_k, cache_v, positions, window, interpret=not on_gpu)
+    rows_k, rows_v = (rng.randn(rows, kv_heads, length, head_dim).astype(np.float32) for _ in "kv")
+    pool_pages = rows * pages + 3
+    tables = _scattered_tables(rows, pages, pool_pages)
+    pool_k, pool_v = (jnp.asarray(_paged(r, tables, pool_pages, page_size), dtype) for r in (rows_k, rows_v))
+    positions = np.array([0, 17, -1, 300, length - 1], np.int32)  # row 2 idle: no keys
+    got = gpu_attention.attention(q, pool_k, pool_v, tables, positions, interpret=not on_gpu)
     assert got.dtype == dtype
     got = np.asarray(got, np.float32)
     key_positions = np.broadcast_to(np.arange(length), (rows, length))
-    want = attention.attention(q, cache_k[:rows], cache_v[:rows], positions[:, None], key_positions, window)
+    as_dtype = lambda a: jnp.asarray(a, dtype)
+    want = attention.attention(q, as_dtype(rows_k), as_dtype(rows_v), positions[:, None], key_positions, 0)
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     active = positions >= 0
     assert np.abs(got[active] - np.asarray(want, np.float32)[active]).max() <= tolerance
-    assert np.all(got[~active] == 0)  # finite: the engine gives idle rows -1
+    assert np.all(np.isfinite(got[~active]))
 
 
 @pytest.mark.parametrize("window", [0, 300], ids=["causal", "sliding"])
 @pytest.mark.parametrize("start", [0, 250, 590], ids=["first-block", "across-blocks", "clamped-last-block"])
-def test_filled_attention_equals_attention_over_the_whole_row(start, window):
-    """Prompt tokens attend over blocks of their rows up to their own end: the same result as
-    attending over every position of the rows (a 600-position row: its last block is clamped)."""
-    slots, kv_heads, groups, chunk, length, head_dim = 5, 2, 3, 10, 600, 16
+@pytest.mark.parametrize("page_size", [8, 512])
+def test_filled_attention_over_pages_equals_attention_over_the_whole_row(start, window, page_size):
+    """Prompt tokens attend over blocks of their pages up to their own end: the same result as
+    attending over every position of the rows laid out contiguously (a 1024-position table: with
+    small pages its last block is clamped; a page larger than a block makes the block a page)."""
+    kv_heads, groups, chunk, length, head_dim = 2, 3, 10, 1024, 16
     rng = np.random.RandomState(1)
-    rows = np.array([3, 1], np.int32)
-    q = jnp.asarray(rng.randn(len(rows), kv_heads, groups, chunk, head_dim), jnp.float32)
-    cache_k, cache_v = (
-        jnp.asarray(rng.randn(slots, kv_heads, length, head_dim), jnp.float32) for _ in range(2)
-    )
-    q_pos = np.broadcast_to(np.minimum(start + np.arange(chunk), length - 1), (len(rows), chunk))
-    got = attention.filled_attention(q, cache_k, cache_v, rows, q_pos, window)
-    key_positions = np.broadcast_to(np.arange(length), (len(rows), length))
-    want = attention.attention(q, cache_k[rows], cache_v[rows], q_pos, key_positions, window)
+    q = jnp.asarray(rng.randn(2, kv_heads, groups, chunk, head_dim), jnp.float32)
+    rows_k, rows_v = (rng.randn(2, kv_heads, length, head_dim).astype(np.float32) for _ in "kv")
+    pool_pages = 2 * length // page_size + 2
+    tables = _scattered_tables(2, length // page_size, pool_pages)
+    pool_k, pool_v = (jnp.asarray(_paged(r, tables, pool_pages, page_size)) for r in (rows_k, rows_v))
+    q_pos = np.broadcast_to(np.minimum(start + np.arange(chunk), length - 1), (2, chunk))
+    got = attention.filled_attention(q, pool_k, pool_v, tables, q_pos, window)
+    key_positions = np.broadcast_to(np.arange(length), (2, length))
+    want = attention.attention(q, rows_k, rows_v, q_pos, key_positions, window)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(gather_pages(pool_k, tables)), rows_k)
 
 
 @pytest.mark.parametrize(
-    ("batch", "tokens", "head_dim", "length", "window"),
+    ("batch", "tokens", "head_dim", "length", "window", "page_size"),
     [
-        (4, 1, 64, 1024, 0),  # decoding rows, one split each
-        (1, 1, 64, 2048, 0),  # one long row: its keys split over tasks, partial sums merged
-        (3, 1, 16, 300, 40),  # sliding window
-        (1, 13, 24, 600, 0),  # a prompt chunk in a chosen row, causal within itself
-        (2, 7, 64, 400, 50),  # chunks with a window reaching back into earlier blocks
+        (4, 1, 64, 1024, 0, 16),  # decoding rows, one split each
+        (1, 1, 64, 2048, 0, 128),  # one long row: its keys split over tasks, partial sums merged
+        (3, 1, 16, 304, 40, 8),  # sliding window; pages smaller than the kernel's blocks
+        (1, 13, 24, 608, 0, 32),  # a prompt chunk, causal within itself
+        (2, 7, 64, 400, 50, 16),  # chunks with a window reaching back into earlier blocks
     ],
 )
-def test_cpu_attention_kernel_equals_xla_attention(batch, tokens, head_dim, length, window):
-    """The C++ kernel reads rows `rows` of the cache in place up to each query's position; XLA's
-    einsum attention over the gathered rows is the reference. A query at a negative position (an
-    inactive slot) sees nothing and gets zeros."""
+def test_cpu_attention_kernel_equals_xla_attention(batch, tokens, head_dim, length, window, page_size):
+    """The C++ kernel reads each row's pages in place up to each query's position; XLA's einsum
+    attention over the rows laid out contiguously is the reference. A query at a negative position
+    (an inactive slot) sees nothing and gets zeros."""
     assert cpu_attention.available()
-    kv_heads, groups, cache_rows = 2, 3, 5
+    kv_heads, groups = 2, 3
     rng = np.random.RandomState(1)
     q = jnp.asarray(rng.randn(batch, kv_heads, groups, tokens, head_dim), jnp.float32)
-    cache_k, cache_v = (
-        jnp.asarray(rng.randn(cache_rows, kv_heads, length, head_dim), jnp.float32) for _ in "kv"
-    )
-    rows = jnp.asarray(rng.permutation(cache_rows)[:batch], jnp.int32)
+    rows_k, rows_v = (rng.randn(batch, kv_heads, length, head_dim).astype(np.float32) for _ in "kv")
+    pages = length // page_size
+    pool_pages = batch * pages + 5
+    tables = _scattered_tables(batch, pages, pool_pages, seed=batch)
+    pool_k, pool_v = (jnp.asarray(_paged(r, tables, pool_pages, page_size)) for r in (rows_k, rows_v))
     starts = np.array([length - tokens, 0, 170, 33][:batch])  # the last and first positions, and between
     positions = starts[:, None] + np.arange(tokens)
     if batch > 1:
         positions[1] = -1  # an inactive row
     got = np.asarray(
-        jax.jit(cpu_attention.attention, static_argnums=5)(q, cache_k, cache_v, rows, positions, window)
+        jax.jit(cpu_attention.attention, static_argnums=5)(q, pool_k, pool_v, tables, positions, window)
     )
     key_positions = np.broadcast_to(np.arange(length), (batch, length))
-    want = np.asarray(attention.attention(q, cache_k[rows], cache_v[rows], positions, key_positions, window))
+    want = np.asarray(attention.attention(q, rows_k, rows_v, positions, key_positions, window))
     active = positions[:, 0] >= 0
     assert np.abs(got[active] - want[active]).max() <= 2e-6
     assert np.all(got[~active] == 0)

@@ -1,18 +1,30 @@
-"""The host scheduler driven by hand-made "device" outputs: admission, chunking, stops, cancel."""
+"""The host scheduler driven by hand-made "device" outputs: admission, chunking, stops, cancel,
+pages: prefix hits, growth, preemption and resumption."""
 
 import numpy as np
 import pytest
 from tiny import train_tokenizer
 
 from jinfer import SamplingParams, load_tokenizer
-from jinfer.scheduler import QueueFullError, Request, TextStream, deliver
+from jinfer.paging import KVPages
+from jinfer.scheduler import QueueFullError, Request, deliver
 from jinfer.scheduler import Scheduler as _Scheduler
+from jinfer.tokenizer import TextStream
 
 EOS = 2
+PAGE = 4
 
 
 class Scheduler(_Scheduler):
-    """The scheduler, its returned events delivered at once, as the engine does after each call."""
+    """The scheduler, its returned events delivered at once, as the engine does after each call;
+    a pool of `pages` pages of 4 positions, sequences of up to 128 (prefix caching off unless
+    asked: the requests here share their prompts)."""
+
+    def __init__(
+        self, tokenizer, max_slots, max_queue, chunk_len, token_budget, pages=64, caching=False, **kw
+    ):
+        kv = KVPages(pages, PAGE, max_slots, 128 // PAGE, caching)
+        super().__init__(tokenizer, max_slots, max_queue, chunk_len, token_budget, kv, **kw)
 
     def plan(self):
         plan = super().plan()
@@ -158,7 +170,7 @@ def test_a_decode_dispatch_carrying_a_prompt_chunk_counts_one_step_in_flight(tok
 
 def test_events_are_returned_not_delivered(tokenizer):
     """The scheduler hands events back (the engine delivers them outside its lock)."""
-    s = _Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512)
+    s = _Scheduler(tokenizer, 1, 8, 32, 512, KVPages(16, PAGE, 1, 32, prefix_caching=False))
     events = []
     request = _request(tokenizer, "r", events=events)
     s.submit(request)
@@ -171,17 +183,21 @@ def test_events_are_returned_not_delivered(tokenizer):
     assert events[-1].finished
 
 
-def test_bad_logits_end_one_request_and_mark_its_slot(tokenizer):
-    s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512)
+def test_bad_logits_end_one_request_and_mark_its_pages(tokenizer):
+    s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512, caching=True)
     good_events, bad_events = [], []
     good, bad = _request(tokenizer, "good", events=good_events), _request(tokenizer, "bad", events=bad_events)
     s.submit(good)
     s.submit(bad)
     owners = s.plan().decode_owners
+    shared, own = bad.kv.pages  # its prompt's full page was found in the cache: good's
+    assert good.kv.pages[0] == shared and bad.cached_tokens == PAGE
     committed = s.commit(owners, _tokens([70, 71], [70, 71]), np.array([[False, True], [False, False]]))
     assert bad_events[-1].finish_reason == "error" and "NaN" in bad_events[-1].error and bad.output_ids == []
     assert good.output_ids == [70, 71] and not good.finished
-    assert committed.poisoned_slots == [1] and s.slots == [good, None]
+    # Its own page is to be zeroed; none of its pages (the shared one neither) stays findable.
+    assert committed.poisoned_pages == [own] and s.slots == [good, None]
+    assert s.kv.pool.cached == 0 and s.kv.pool.refs(shared) == 1
 
 
 def test_cancel_waiting_and_running(tokenizer):
@@ -213,3 +229,115 @@ def test_text_stream_holds_back_possible_stop_strings(tokenizer):
     stream = TextStream(tokenizer, [], ("brown",))
     out = "".join(stream.add(t)[0] for t in tokenizer.encode("bro and brew", add_special_tokens=False))
     assert out + stream.finish() == "bro and brew"
+
+
+class FakeDevice:
+    """Runs a scheduler's plans as the engine does (results read one iteration late), with tokens
+    that depend only on the request and the output index, as exact decoding's do."""
+
+    def __init__(self, scheduler):
+        self.s, self.produced, self.pending = scheduler, {}, []
+
+    @staticmethod
+    def token(request, index):
+        return 50 + (sum(map(ord, request.request_id)) * 7 + index) % 200
+
+    def step(self):
+        plan = self.s.plan()
+        results = []
+        for work in plan.prefills:
+            if work.last:
+                results.append(([work.request], self._first(work.request)))
+        if plan.decodes:
+            steps = 1 if plan.fused else self.s.decode_steps
+            rows = []
+            for r in plan.decode_owners:
+                rows.append(
+                    [0] * steps if r is None else [self.token(r, self.produced[r] + j) for j in range(steps)]
+                )
+                if r is not None:
+                    self.produced[r] += steps
+            results.append((plan.decode_owners, np.array(rows, np.int32).T))
+        if plan.fused is not None and plan.fused.last:
+            results.append(([plan.fused.request], self._first(plan.fused.request)))
+        previous, self.pending = self.pending, results
+        for owners, tokens in previous:
+            self.s.commit(owners, tokens, np.zeros(tokens.shape, bool))
+
+    def _first(self, request):
+        """The token a request's last prefill chunk samples: output number generated_before."""
+        self.produced[request] = request.generated_before + 1
+        return np.array([[self.token(request, request.generated_before)]], np.int32)
+
+    def run(self, limit=500):
+        for _ in range(limit):
+            if not self.s.has_work and not self.pending:
+                return
+            self.step()
+        raise AssertionError("the scheduler did not finish its work")
+
+
+def test_a_prompt_seen_before_is_found_in_the_cache_and_only_its_rest_prefilled(tokenizer):
+    s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512, caching=True)
+    first, again = _request(tokenizer, "first", 10), _request(tokenizer, "again", 10)
+    s.submit(first)
+    FakeDevice(s).run()
+    s.submit(again)
+    plan = s.plan()
+    # 10 prompt tokens: two full pages cached (and the first's output after them).
+    assert [(w.start, len(w.tokens)) for w in plan.prefills] == [(8, 2)] and again.cached_tokens == 8
+    assert again.kv.pages[:2] == first.kv.pages[:2] or s.kv.pool.refs(again.kv.pages[0]) == 1
+    assert (s.kv.queries, s.kv.hits) == (20, 8)
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_page(tokenizer):
+    """The last prompt token must be computed for its logits, and a shared page is never written:
+    a prompt of exactly two cached pages takes one from the cache and computes the other."""
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512, caching=True)
+    s.submit(_request(tokenizer, "first", 8))
+    FakeDevice(s).run()
+    again = _request(tokenizer, "again", 8)
+    s.submit(again)
+    assert [(w.start, len(w.tokens)) for w in s.plan().prefills] == [(4, 4)]
+
+
+def test_salts_keep_tenants_apart(tokenizer):
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512, caching=True)
+    mine = _request(tokenizer, "mine", 10)
+    mine.kv.salt = "tenant-a"
+    s.submit(mine)
+    FakeDevice(s).run()
+    theirs, mine_again = _request(tokenizer, "theirs", 10), _request(tokenizer, "mine-again", 10)
+    theirs.kv.salt, mine_again.kv.salt = "tenant-b", "tenant-a"
+    for request in (theirs, mine_again):
+        s.submit(request)
+        FakeDevice(s).run()
+    assert (theirs.cached_tokens, mine_again.cached_tokens) == (0, 8)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_out_of_pages_the_latest_admitted_is_preempted_and_resumes_exactly(tokenizer, decode_steps):
+    """Three requests that together need more pages than the pool has: the latest admitted are
+    preempted (their tokens in flight still committed), readmitted with their prompt and output so
+    far, and every output is what it would have been alone; nothing is left held."""
+    s = Scheduler(
+        tokenizer,
+        max_slots=3,
+        max_queue=8,
+        chunk_len=32,
+        token_budget=512,
+        pages=13,
+        caching=True,
+        decode_steps=decode_steps,
+    )
+    requests = [_request(tokenizer, name, 6 + i, max_tokens=20) for i, name in enumerate(("a", "b", "c"))]
+    for i, request in enumerate(requests):
+        request.prompt_ids = [100 + 20 * i + t for t in range(6 + i)]  # no prompt shared
+        s.submit(request)
+    device = FakeDevice(s)
+    device.run()
+    for request in requests:
+        assert request.output_ids == [FakeDevice.token(request, i) for i in range(20)]
+    assert s.preemptions > 0 and any(r.preemptions for r in requests[1:]) and not requests[0].preemptions
+    assert s.kv.pool.used == 0 and s.slots == [None] * 3 and not s.waiting
+    assert s.kv.hits > 0  # the preempted found what they had computed in the cache

@@ -348,6 +348,37 @@ def test_metrics_count_the_engines_dispatches(client, server):
     assert grown[0] >= 1 and grown[1] >= prompt_tokens and grown[2] >= 8 and grown[3] >= 8, grown
 
 
+def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_cache_metrics(client, server):
+    """The second chat with the same system prompt finds it in the prefix cache: usage says how many
+    prompt tokens were cached (streaming with include_usage too); a salted request finds nothing;
+    /metrics shows the lookups, the pages and the gauges inference gateways read."""
+    system = "You answer every question about the weather in Köln in one short sentence, politely."
+    chat = lambda user, **kw: client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=4,
+        temperature=0,
+        **kw,
+    )
+    queries, hits = (_metric(server, f"jinfer_prefix_cache_{n}_total") for n in ("queries", "hits"))
+    first = chat("Is it raining?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = chat("Is it sunny?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    streamed = list(chat("Is it sunny?", stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= cached
+    salted = chat("Is it sunny?", extra_body={"cache_salt": "another tenant"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    prompts = first.usage.prompt_tokens + 3 * second.usage.prompt_tokens
+    assert _metric(server, "jinfer_prefix_cache_queries_total") - queries >= prompts
+    assert _metric(server, "jinfer_prefix_cache_hits_total") - hits >= 2 * cached
+    assert _metric(server, "jinfer_kv_pages_total") == 2 * 128 // 16  # auto: max_slots x max_seq_len
+    _wait_metric(server, "jinfer_kv_pages_used", 0)
+    for gauge in ("jinfer_requests_waiting", "jinfer_kv_cache_usage_ratio", "jinfer_preemptions_total"):
+        assert _metric(server, gauge) == 0
+
+
 # --------------------------------------------------------------- overload and disconnects
 def test_queue_overload_gives_429_and_accepted_requests_complete(server):
     async def one(http, i):

@@ -1,15 +1,18 @@
-// Attention of a few query tokens per cache row over that row's filled keys, for XLA:CPU.
+// Attention of a few query tokens per sequence over that sequence's filled keys in the paged KV
+// cache, for XLA:CPU.
 //
 // A decode step on a CPU spent most of its time, at long contexts, on attention: XLA's einsums
-// read a fixed bucket of each row (copying the slice out of the cache first) through small batched
-// products. This kernel reads each row in place, only the keys its queries can see, once: per
-// (row, kv head) it streams blocks of keys and values through L1 with an online softmax, and
-// XLA's own CPU threads share the (row, kv head, key range) tasks.
+// read a fixed bucket of each row (gathering it out of the cache first) through small batched
+// products. This kernel reads each sequence's pages in place, only the keys its queries can see,
+// once: per (sequence, kv head) it streams blocks of keys and values (never crossing a page)
+// through L1 with an online softmax, and XLA's own CPU threads share the (sequence, kv head, key
+// range) tasks.
 //
 // Operands (all row-major, float32 except the int32 indices):
-//   q         [B, K, G, T, H]  queries grouped by kv head (T tokens per row: 1 when decoding)
-//   cache_k/v [R, K, S, H]     the layer's cache; batch entry b reads cache row rows[b]
-//   rows      [B]
+//   q         [B, K, G, T, H]  queries grouped by kv head (T tokens per sequence: 1 when decoding)
+//   pool_k/v  [K, P, S, H]     the layer's pages of S positions each
+//   tables    [B, M]           batch entry b's pages in order: position p is at page tables[b, p / S],
+//                              offset p % S
 //   positions [B, T]           each query's position: it sees keys s <= position, and with a
 //                              sliding window only position - s < window; a negative position
 //                              sees nothing (its output is zero)
@@ -35,7 +38,7 @@ using jinfer::Splat;
 using jinfer::Store;
 using jinfer::Sum;
 
-constexpr int kBlock = 32;  // keys per block: a block of K and V rows stays in L1 across queries
+constexpr int64_t kBlock = 32;  // keys per block: a block of K and V rows stays in L1 across queries
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead key and value rows are prefetched
 constexpr int64_t kKeysPerHelper = 2048;  // (row, kv head, key) triples: below, one thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -65,8 +68,20 @@ inline f8 Exp(f8 x) {
 }
 
 struct Dims {
-  int64_t batch, kv_heads, groups, tokens, head_dim, seq;
+  int64_t batch, kv_heads, groups, tokens, head_dim, pages, page_size, max_pages;
   int64_t queries() const { return groups * tokens; }
+  int64_t seq() const { return max_pages * page_size; }  // positions a block table reaches
+};
+
+// One (sequence, kv head)'s key or value rows: where position j lies in the pool.
+struct Rows {
+  const float* head;  // the head's pages, [P, S, H]
+  const int32_t* table;  // [M]
+  int64_t page_size, head_dim;
+  const float* At(int64_t j) const {
+    return head + (table[j / page_size] * page_size + j % page_size) * head_dim;
+  }
+  int64_t PageEnd(int64_t j) const { return (j / page_size + 1) * page_size; }
 };
 
 // The 8 sums of a[0..7]'s lanes, in order: three rounds of pairwise shuffle-and-add instead of 8
@@ -121,21 +136,29 @@ inline void Accumulate(float* out, const float* p, const float* values, int64_t 
   for (int w = 0; w < W; ++w) Store(out + 8 * w, sums[w]);
 }
 
-// The queries of one (row, kv head) over keys [lo, hi): q [Q, H] (query g * T + t at position
-// positions[t]), keys and values [S, H] of that row and head; online-softmax state per query:
+// The queries of one (sequence, kv head) over keys [lo, hi): q [Q, H] (query g * T + t at position
+// positions[t]), the sequence's key and value rows of that head; online-softmax state per query:
 // running max and denominator [Q], output sums acc [Q, H].
-void AttendRange(const Dims& d, const float* q, const float* keys, const float* values,
+void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& values,
                  const int32_t* positions, int64_t window, float scale, int64_t lo, int64_t hi,
                  float* max, float* denominator, float* acc) {
   const int64_t H = d.head_dim;
   alignas(32) float scores[kBlock];
-  for (int64_t j0 = lo; j0 < hi; j0 += kBlock) {
-    const int64_t n = std::min<int64_t>(kBlock, hi - j0);
-    // Ask for a later block now: the hardware prefetcher stops at each 4 KiB page.
+  for (int64_t j0 = lo, j1; j0 < hi; j0 = j1) {
+    j1 = std::min({hi, j0 + kBlock, keys.PageEnd(j0)});  // a block lies within one page
+    const int64_t n = j1 - j0;
+    const float* key_rows = keys.At(j0);
+    const float* value_rows = values.At(j0);
+    // Ask for a later block now: the hardware prefetcher stops at each 4 KiB page (and the next
+    // KV page may lie anywhere).
     const int64_t ahead = j0 + kPrefetchBlocks * kBlock;
-    for (int64_t offset = 0; offset < std::min<int64_t>(kBlock, hi - ahead) * H; offset += 16) {
-      __builtin_prefetch(keys + ahead * H + offset);
-      __builtin_prefetch(values + ahead * H + offset);
+    if (ahead < hi) {
+      const int64_t rows = std::min({kBlock, hi - ahead, keys.PageEnd(ahead) - ahead});
+      const float *k_ahead = keys.At(ahead), *v_ahead = values.At(ahead);
+      for (int64_t offset = 0; offset < rows * H; offset += 16) {
+        __builtin_prefetch(k_ahead + offset);
+        __builtin_prefetch(v_ahead + offset);
+      }
     }
     for (int64_t query = 0; query < d.queries(); ++query) {
       const int64_t position = positions[query % d.tokens];
@@ -143,11 +166,11 @@ void AttendRange(const Dims& d, const float* q, const float* keys, const float* 
       const int64_t begin = std::max<int64_t>(first - j0, 0);
       const int64_t end = std::min<int64_t>(position - j0 + 1, n);
       if (begin >= end) continue;  // nothing this query sees in the block (or at all)
-      Scores(q + query * H, keys + (j0 + begin) * H, end - begin, H, scale, scores + begin);
+      Scores(q + query * H, key_rows + begin * H, end - begin, H, scale, scores + begin);
       std::fill(scores, scores + begin, kNegInf);
       std::fill(scores + end, scores + kBlock, kNegInf);
       f8 top = Splat(kNegInf);
-      for (int j = 0; j < kBlock; j += 8) {
+      for (int64_t j = 0; j < kBlock; j += 8) {
         const f8 s = Load(scores + j);
         top = s > top ? s : top;
       }
@@ -157,7 +180,7 @@ void AttendRange(const Dims& d, const float* q, const float* keys, const float* 
       const float rescale = std::exp(max[query] - new_max);  // 0 for the first block it sees
       max[query] = new_max;
       f8 total = Splat(0.0f);
-      for (int j = 0; j < kBlock; j += 8) {
+      for (int64_t j = 0; j < kBlock; j += 8) {
         const f8 p = Exp(Load(scores + j) - new_max);
         Store(scores + j, p);
         total += p;
@@ -165,7 +188,7 @@ void AttendRange(const Dims& d, const float* q, const float* keys, const float* 
       denominator[query] = denominator[query] * rescale + Sum(total);
       float* out = acc + query * H;
       const float* p = scores + begin;
-      const float* v_rows = values + (j0 + begin) * H;
+      const float* v_rows = value_rows + begin * H;
       int64_t h = 0;
       for (; h + 64 <= H; h += 64) Accumulate<8>(out + h, p, v_rows + h, end - begin, H, rescale);
       for (; h < H; h += 8) Accumulate<1>(out + h, p, v_rows + h, end - begin, H, rescale);
@@ -173,11 +196,11 @@ void AttendRange(const Dims& d, const float* q, const float* keys, const float* 
   }
 }
 
-// Tasks are (row, kv head, split) triples (run with jinfer::RunTasks).
+// Tasks are (sequence, kv head, split) triples (run with jinfer::RunTasks).
 struct Job {
   Dims d;
-  const float *q, *cache_k, *cache_v;
-  const int32_t *rows, *positions;
+  const float *q, *pool_k, *pool_v;
+  const int32_t *tables, *positions;
   int64_t window, splits, tasks;
   float scale;
   std::vector<int64_t> lo, hi;  // per batch entry: the keys any of its queries sees, [lo, hi)
@@ -186,12 +209,12 @@ struct Job {
 
   // Fills lo and hi; returns the longest range.
   int64_t KeyRanges() {
-    lo.assign(d.batch, d.seq);
+    lo.assign(d.batch, d.seq());
     hi.assign(d.batch, 0);
     int64_t longest = 0;
     for (int64_t b = 0; b < d.batch; ++b) {
       for (int64_t t = 0; t < d.tokens; ++t) {
-        const int64_t position = std::min<int64_t>(positions[b * d.tokens + t], d.seq - 1);
+        const int64_t position = std::min<int64_t>(positions[b * d.tokens + t], d.seq() - 1);
         if (position < 0) continue;
         lo[b] = std::min<int64_t>(lo[b], window ? std::max<int64_t>(0, position - window + 1) : 0);
         hi[b] = std::max<int64_t>(hi[b], position + 1);
@@ -210,10 +233,12 @@ struct Job {
     const int64_t per_split = (hi[b] - lo[b] + splits * kBlock - 1) / (splits * kBlock) * kBlock;
     const int64_t begin = lo[b] + split * per_split, end = std::min(hi[b], begin + per_split);
     if (begin >= end) return;
-    const int64_t row_offset = (rows[b] * d.kv_heads + k) * d.seq * H;
-    AttendRange(d, q + (b * d.kv_heads + k) * Q * H, cache_k + row_offset, cache_v + row_offset,
-                positions + b * d.tokens, window, scale, begin, end, &max[task * Q],
-                &denominator[task * Q], &acc[task * Q * H]);
+    const int64_t head_offset = k * d.pages * d.page_size * H;
+    const int32_t* table = tables + b * d.max_pages;
+    const Rows keys{pool_k + head_offset, table, d.page_size, H};
+    const Rows values{pool_v + head_offset, table, d.page_size, H};
+    AttendRange(d, q + (b * d.kv_heads + k) * Q * H, keys, values, positions + b * d.tokens, window,
+                scale, begin, end, &max[task * Q], &denominator[task * Q], &acc[task * Q * H]);
   }
 
   // out[b, k] = the splits' sums, each rescaled to the common maximum, over their denominators.
@@ -241,34 +266,39 @@ struct Job {
   }
 };
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
-                     ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> rows,
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> pool_k,
+                     ffi::Buffer<ffi::F32> pool_v, ffi::Buffer<ffi::S32> tables,
                      ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
                      int64_t window, float scale) {
-  const auto qd = q.dimensions(), cd = cache_k.dimensions(), vd = cache_v.dimensions();
+  const auto qd = q.dimensions(), pd = pool_k.dimensions(), vd = pool_v.dimensions();
+  const auto td = tables.dimensions();
   const bool shapes_fit =
-      qd.size() == 5 && cd.size() == 4 && std::equal(cd.begin(), cd.end(), vd.begin(), vd.end()) &&
-      qd[1] == cd[1] && qd[4] == cd[3] && qd[4] % 8 == 0 &&
-      static_cast<int64_t>(rows.element_count()) == qd[0] &&
+      qd.size() == 5 && pd.size() == 4 && td.size() == 2 &&
+      std::equal(pd.begin(), pd.end(), vd.begin(), vd.end()) && qd[1] == pd[0] &&
+      qd[4] == pd[3] && qd[4] % 8 == 0 && td[0] == qd[0] &&
       static_cast<int64_t>(positions.element_count()) == qd[0] * qd[3];
   if (!shapes_fit)
     return ffi::Error::InvalidArgument(
-        "jinfer cpu attention: q [B, K, G, T, H], cache [R, K, S, H] (H a multiple of 8), "
-        "rows [B], positions [B, T] expected");
+        "jinfer cpu attention: q [B, K, G, T, H], pools [K, P, S, H] (H a multiple of 8), "
+        "tables [B, M], positions [B, T] expected");
   Job job;
-  job.d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
-  for (int64_t b = 0; b < qd[0]; ++b)
-    if (rows.typed_data()[b] < 0 || rows.typed_data()[b] >= cd[0])
-      return ffi::Error::InvalidArgument("jinfer cpu attention: a row index is out of range");
+  job.d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], pd[1], pd[2], td[1]};
   job.q = q.typed_data();
-  job.cache_k = cache_k.typed_data();
-  job.cache_v = cache_v.typed_data();
-  job.rows = rows.typed_data();
+  job.pool_k = pool_k.typed_data();
+  job.pool_v = pool_v.typed_data();
+  job.tables = tables.typed_data();
   job.positions = positions.typed_data();
   job.window = window;
   job.scale = scale;
   const int64_t pairs = qd[0] * qd[1];
   const int64_t longest = job.KeyRanges();
+  for (int64_t b = 0; b < qd[0]; ++b) {  // every page a query can reach must be in the pool
+    for (int64_t page = job.lo[b] / pd[2]; page * pd[2] < job.hi[b]; ++page) {
+      const int32_t index = job.tables[b * td[1] + page];
+      if (index < 0 || index >= pd[1])
+        return ffi::Error::InvalidArgument("jinfer cpu attention: a block table entry is out of range");
+    }
+  }
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
   const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : jinfer::PoolCores(pool);
   // Enough tasks to keep every thread busy when few (row, kv head) pairs decode a long row, but

@@ -30,18 +30,18 @@ def available() -> bool:
 
 
 def attention(
-    q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, rows: jax.Array, positions: jax.Array, window: int
+    q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, tables: jax.Array, positions: jax.Array, window: int
 ) -> jax.Array:
-    """Causal attention of q [B, K, G, T, H] at positions [B, T] over cache rows `rows` [B] of
-    cache_k, cache_v [R, K, S, H] (float32, read in place up to each query's position; with a
-    sliding window, from where it reaches). Returns [B, K, G, T, H] float32, as XLA's attention
-    (`models.attention.attention`) does."""
+    """Causal attention of q [B, K, G, T, H] at positions [B, T] over the pages of pool_k, pool_v
+    [K, P, page_size, H] that each batch entry's block table tables [B, max_pages] lists (float32,
+    read in place up to each query's position; with a sliding window, from where it reaches).
+    Returns [B, K, G, T, H] float32, as XLA's attention (`models.attention.attention`) does."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q,
-        cache_k,
-        cache_v,
-        rows.astype(jnp.int32),
+        pool_k,
+        pool_v,
+        tables.astype(jnp.int32),
         positions.astype(jnp.int32),
         window=np.int64(window),
         scale=np.float32(1.0 / math.sqrt(q.shape[-1])),

@@ -1,12 +1,15 @@
-"""Attention over the KV cache, and the backend that runs it, chosen once per compiled step.
+"""Attention over the paged KV cache, and the backend that runs it, chosen once per compiled step.
 
-    attention          causal GQA by XLA's einsums (full sequences; decode over a bucket of the cache)
-    filled_attention   a prompt chunk over its cache rows, blocks of keys up to its own end
+    attention          causal GQA by XLA's einsums over contiguous keys (full sequences, and the
+                       reference every kernel is tested against)
+    filled_attention   a prompt chunk over its pages, blocks of keys up to its own end
     BACKENDS           how a `TokenGroup` attends over the cache, by the engine's kernel choice
-                       (`Layout.attention_kernel`): XLA's einsums (None), jinfer's C++ kernel
-                       ("cpu"), the Pallas decode kernel for one-token groups ("gpu")
+                       (`Layout.attention_kernel`): XLA's einsums over gathered pages (None),
+                       jinfer's C++ kernel reading pages in place ("cpu"), the Pallas paged decode
+                       kernel for one-token groups ("gpu")
 
-Shapes: q [B, K, G, T, H] (query heads grouped by kv head); the cache [slots, K, S, H].
+Shapes: q [B, K, G, T, H] (query heads grouped by kv head); each layer's pools [K, P, page_size, H];
+a group's block tables [B, max_pages] (`kv_cache`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jinfer.kernels import cpu_attention, gpu_attention
+from jinfer.kv_cache import gather_pages
 
 
 def full_precision(dtype) -> jax.lax.Precision:
@@ -66,35 +70,37 @@ KEY_BLOCK = 256  # keys per iteration of `filled_attention`
 @jax.named_scope("attention")
 def filled_attention(
     q: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
-    rows: jax.Array,
+    pool_k: jax.Array,
+    pool_v: jax.Array,
+    tables: jax.Array,
     q_pos: jax.Array,
     window: int,
 ) -> jax.Array:
-    """Causal attention of prompt tokens over their cache rows, reading only the filled part.
+    """Causal attention of prompt tokens over their pages, reading only the filled part.
 
     q [B, K, G, T, H] at positions q_pos [B, T] (contiguous per row, their K/V already written);
-    cache_k, cache_v [slots, K, S, H]; rows [B] the cache rows. A loop over blocks of KEY_BLOCK keys
-    runs only up to the furthest query position (and, with a sliding window, from the first block
-    the window reaches), with an online softmax: a chunk at the start of a 2048-position slot
-    reads one block, not the whole row. Returns [B, K, G, T, H], as `attention` does.
+    pool_k, pool_v [K, P, page_size, H]; tables [B, max_pages] the rows' block tables. A loop over
+    blocks of KEY_BLOCK keys (whole pages) runs only up to the furthest query position (and, with a
+    sliding window, from the first block the window reaches), with an online softmax: a chunk at
+    the start of a 2048-position sequence reads one block, not all of its pages. Returns
+    [B, K, G, T, H], as `attention` does.
     """
     batch, kv_heads, groups, t, h = q.shape
-    seq = cache_k.shape[2]
-    block = min(KEY_BLOCK, seq)
-    precision = full_precision(cache_v.dtype)
+    page_size = pool_k.shape[2]
+    seq = tables.shape[1] * page_size
+    block = min(max(KEY_BLOCK, page_size), seq)
+    precision = full_precision(pool_v.dtype)
     first = jnp.maximum(jnp.min(q_pos) - window + 1, 0) // block if window else 0
     end = -(-(jnp.max(q_pos) + 1) // block)
 
-    def read(cache, start):  # [B, K, block, H]: each row's block, sliced in place (no row copy)
-        size = (1, kv_heads, block, h)
-        return jnp.concatenate([jax.lax.dynamic_slice(cache, (r, 0, start, 0), size) for r in rows])
+    def read(pool, start):  # [B, K, block, H]: the block's pages of every row
+        pages = jax.lax.dynamic_slice_in_dim(tables, start // page_size, block // page_size, axis=1)
+        return gather_pages(pool, pages)
 
     def body(j, carry):
         running_max, denominator, acc = carry
         start = jnp.minimum(j * block, seq - block)
-        keys, values = read(cache_k, start), read(cache_v, start)
+        keys, values = read(pool_k, start), read(pool_v, start)
         k_pos = start + jnp.arange(block)
         scores = _scores(q, keys)
         # Keys below j * block are ones a clamped last block repeats: already counted.
@@ -116,15 +122,18 @@ def filled_attention(
     # A finite "no key yet" maximum: a query whose keys all lie in later blocks rescales by 1, not NaN.
     init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape), jnp.zeros((*shape, h)))
     _, denominator, acc = jax.lax.fori_loop(first, end, body, init)
-    return (acc / denominator[..., None]).astype(cache_v.dtype)
+    return (acc / denominator[..., None]).astype(pool_v.dtype)
 
 
 class TokenGroup(NamedTuple):
     """Tokens that share one attention pattern within a forward pass.
 
-    tokens and positions are [B, T]; their K/V go to cache rows `rows` [B] (None: rows 0..B-1).
-    `active` [B] (None: all) marks the rows whose outputs are used: the attention kernels skip the
-    others (idle decode slots keep the position their last request reached, however far).
+    tokens and positions are [B, T]; batch entry b is the sequence of slot rows[b] (None: slots
+    0..B-1), whose block table `tables` [B, max_pages] (set by `forward_groups` from the engine's
+    tables) says where its positions live. `active` [B] (None: all) marks the rows whose outputs are
+    used: the others write nothing and the attention kernels skip them (an idle decode slot keeps
+    the position its last request reached). `valid` [B, T] (None: all) marks real tokens: a padded
+    prompt chunk's padding writes nothing.
     A decode step is one group ([slots, 1]); a decode step carrying a prompt chunk is two (the
     slots, then the chunk [1, T] for its slot): every projection runs once over both groups'
     columns, so the step reads the weights once.
@@ -134,40 +143,51 @@ class TokenGroup(NamedTuple):
     positions: jax.Array
     rows: jax.Array | None = None
     active: jax.Array | None = None
+    valid: jax.Array | None = None
+    tables: jax.Array | None = None
 
     @property
     def columns(self) -> int:
         return self.tokens.shape[0] * self.tokens.shape[1]
 
     @property
-    def cache_rows(self) -> jax.Array:
-        """The cache row of each batch entry, [B]: `rows`, or 0..B-1."""
+    def slots(self) -> jax.Array:
+        """The slot of each batch entry, [B]: `rows`, or 0..B-1."""
         return jnp.arange(self.tokens.shape[0]) if self.rows is None else self.rows
+
+    @property
+    def writes(self) -> jax.Array | None:
+        """Which tokens' K/V are written, [B, T] (None: all)."""
+        if self.active is None:
+            return self.valid
+        active = jnp.broadcast_to(self.active[:, None], self.tokens.shape)
+        return active if self.valid is None else active & self.valid
 
 
 def kernel_positions(group: TokenGroup) -> jax.Array:
     """The group's positions [B, T] for an attention kernel: -1 on inactive rows, which then read no
-    keys and attend to zeros (finite: their K/V, written at their stale positions, stay finite)."""
+    keys and attend to zeros."""
     if group.active is None:
         return group.positions
     return jnp.where(group.active[:, None], group.positions, -1)
 
 
-# A backend: (q, (cache_k, cache_v), group, attn_len, window) -> [B, K, G, T, H].
+# A backend: (q, (pool_k, pool_v), group, attn_len, window) -> [B, K, G, T, H].
 Backend = Callable[[jax.Array, tuple[jax.Array, jax.Array], TokenGroup, int | None, int], jax.Array]
 
 
 def xla_attention(q, cache_kv, group: TokenGroup, attn_len: int | None, window: int) -> jax.Array:
-    """XLA's einsums: a prompt chunk of its own (no attn_len) reads its rows block by block up to
-    its end; decode rows (and a chunk carried by a decode step) read the first attn_len positions."""
+    """XLA's einsums: a prompt chunk of its own (no attn_len) reads its pages block by block up to
+    its end; decode rows (and a chunk carried by a decode step) read the pages of the first
+    attn_len positions, gathered."""
     b, t = group.tokens.shape
     if attn_len is None and t > 1:
-        return filled_attention(q, *cache_kv, group.cache_rows, group.positions, window)
-    cache_k, cache_v = cache_kv
-    rows = group.rows
-    keys, values = (cache_k[:b], cache_v[:b]) if rows is None else (cache_k[rows], cache_v[rows])
-    if attn_len is not None:  # the caller knows no position at or past attn_len is in use
-        keys, values = keys[:, :, :attn_len], values[:, :, :attn_len]
+        return filled_attention(q, *cache_kv, group.tables, group.positions, window)
+    pool_k, pool_v = cache_kv
+    page_size = pool_k.shape[2]
+    pages = group.tables.shape[1] if attn_len is None else -(-attn_len // page_size)
+    tables = group.tables[:, :pages]  # the caller knows no position past attn_len is in use
+    keys, values = gather_pages(pool_k, tables), gather_pages(pool_v, tables)
     cache_positions = jnp.arange(keys.shape[2], dtype=jnp.int32)
     k_pos = jnp.broadcast_to(cache_positions, (b, cache_positions.shape[0]))
     return attention(q, keys, values, group.positions, k_pos, window)
@@ -175,16 +195,17 @@ def xla_attention(q, cache_kv, group: TokenGroup, attn_len: int | None, window: 
 
 @jax.named_scope("attention")
 def cpu_kernel_attention(q, cache_kv, group: TokenGroup, attn_len: int | None, window: int) -> jax.Array:
-    """jinfer's C++ kernel (one CPU device, float32): every group, each row read in place up to its
-    queries' positions."""
-    return cpu_attention.attention(q, *cache_kv, group.cache_rows, kernel_positions(group), window)
+    """jinfer's C++ kernel (one CPU device, float32): every group, each row's pages read in place up
+    to its queries' positions."""
+    return cpu_attention.attention(q, *cache_kv, group.tables, kernel_positions(group), window)
 
 
 def gpu_kernel_attention(q, cache_kv, group: TokenGroup, attn_len: int | None, window: int) -> jax.Array:
-    """The Pallas decode kernel (one GPU, 16-bit) for one-token groups of rows 0..B-1; others (a
-    prompt chunk carried by a decode step) by XLA's einsums over attn_len."""
-    if group.rows is None and group.tokens.shape[1] == 1:
-        return gpu_attention.attention(q, *cache_kv, kernel_positions(group)[:, 0], window)
+    """The Pallas paged decode kernel (one GPU, 16-bit) for one-token groups without a sliding
+    window (the kernel has none); others (a prompt chunk carried by a decode step, windowed layers)
+    by XLA's einsums over attn_len."""
+    if group.tokens.shape[1] == 1 and not window:
+        return gpu_attention.attention(q, *cache_kv, group.tables, kernel_positions(group)[:, 0])
     return xla_attention(q, cache_kv, group, attn_len, window)
 
 

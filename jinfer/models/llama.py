@@ -148,11 +148,11 @@ def _attention_block(
             )
         )
     if cache_kv is not None:
-        # Every group writes before any group reads. A slot being prefilled is an inactive row of
-        # the decode group, whose write lands where the chunk then writes or beyond what is visible.
+        # Every group writes before any group reads (a slot being prefilled is an inactive row of
+        # the decode group: it writes nothing).
         with jax.named_scope("kv_write"):
             for group, (_, gk, gv) in zip(groups, per_group, strict=True):
-                cache_kv = write_kv(cache_kv, gk, gv, group.positions, group.rows)
+                cache_kv = write_kv(cache_kv, gk, gv, group.positions, group.tables, group.writes)
     outs = []
     for group, (gq, gk, gv) in zip(groups, per_group, strict=True):
         b, t = group.tokens.shape
@@ -178,21 +178,23 @@ def forward(
     positions: jax.Array,
     cfg: ModelConfig,
     cache: KVCache | None = None,
+    tables: jax.Array | None = None,
     rows: jax.Array | None = None,
     attn_len: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder over tokens [B, T] at positions [B, T].
 
-    Without a cache the tokens attend to each other causally (full-sequence scoring). With a cache,
-    their K/V are written at `positions` (contiguous per row) and they attend to everything cached
-    at positions <= their own. Batch entry b uses cache row b (the cache may have more rows than
-    the batch), or cache row rows[b] when `rows` [B] is given (prefill into chosen slots). With
-    `attn_len` (static) attention reads only the first attn_len cache positions: decode cost then
-    follows the filled part of the cache, not its size. Without it, several tokens per row (a
-    prompt chunk) read their rows up to their own end (`filled_attention`), one token the whole row.
-    Returns final-normed hidden states [B, T, D] and the cache.
+    Without a cache the tokens attend to each other causally (full-sequence scoring). With a cache
+    and block tables [slots, max_pages] (`kv_cache`), their K/V are written at `positions`
+    (contiguous per row) and they attend to everything cached at positions <= their own. Batch
+    entry b is slot b (the tables may have more rows than the batch), or slot rows[b] when `rows`
+    [B] is given. With `attn_len` (static) attention reads only the first attn_len positions:
+    decode cost then follows the filled part of the cache, not its size. Without it, several tokens
+    per row (a prompt chunk) read their pages up to their own end (`filled_attention`), one token
+    all of its pages. Returns final-normed hidden states [B, T, D] and the cache.
     """
-    (hidden,), cache = forward_groups(params, (TokenGroup(tokens, positions, rows),), cfg, cache, attn_len)
+    group = TokenGroup(tokens, positions, rows)
+    (hidden,), cache = forward_groups(params, (group,), cfg, cache, tables, attn_len)
     return hidden, cache
 
 
@@ -201,21 +203,29 @@ def forward_groups(
     groups: Sequence[TokenGroup],
     cfg: ModelConfig,
     cache: KVCache | None = None,
+    tables: jax.Array | None = None,
     attn_len: int | None = None,
     attention_kernel: str | None = None,
 ) -> tuple[tuple[jax.Array, ...], KVCache | None]:
     """`forward` over several token groups at once: one pass of every weight over all their columns,
-    attention per group (each attends only to its own rows). Returns hidden [B_i, T_i, D] per group.
+    attention per group (each attends only to its own sequences' pages). Returns hidden
+    [B_i, T_i, D] per group.
 
-    `attention_kernel` (static) replaces XLA's einsums over the cache: "gpu" (one device) attends
-    one-token groups of cache rows 0..B-1 with `decode_attention_kernel` (`attn_len` then applies
-    to the others); "cpu" (one device, float32) attends every group with the C++ kernel of
-    `jinfer.kernels.cpu_attention`, which reads each row in place up to its queries' positions.
-    (Without a kernel, a decode step carrying a prompt chunk passes `attn_len`: there the chunk is a
-    few tokens, and XLA:CPU ran the block loop of `filled_attention` slower than one product over
-    the bucket.)"""
+    `attention_kernel` (static) replaces XLA's einsums over gathered pages: "gpu" (one device)
+    attends one-token groups with the Pallas paged kernel (`attn_len` then applies to the others);
+    "cpu" (one device, float32) attends every group with the C++ kernel of
+    `jinfer.kernels.cpu_attention`, which reads each row's pages in place up to its queries'
+    positions. (Without a kernel, a decode step carrying a prompt chunk passes `attn_len`: there
+    the chunk is a few tokens, and XLA:CPU ran the block loop of `filled_attention` slower than one
+    product over the bucket.)"""
+    if cache is not None and tables is None:
+        raise ValueError("a forward pass over a KV cache needs its block tables")
     attend = BACKENDS[attention_kernel]
-    groups = [g._replace(positions=jnp.asarray(g.positions, jnp.int32)) for g in groups]
+    as_int = lambda a: jnp.asarray(a, jnp.int32)
+    groups = [
+        g._replace(positions=as_int(g.positions), tables=None if cache is None else as_int(tables)[g.slots])
+        for g in groups
+    ]
     ids = jnp.concatenate([g.tokens.reshape(-1) for g in groups])
     x = matrix(params.embed)[ids].T  # [D, N] columns
     cos, sin = rope_cos_sin(jnp.concatenate([g.positions.reshape(-1) for g in groups]), cfg)

@@ -1,0 +1,134 @@
+"""The engine on the paged KV pool: prefix hits, many sequences in a small pool, preemption; every
+output the same as the request alone with nothing cached."""
+
+import numpy as np
+import pytest
+from tiny import VOCAB
+
+import jinfer
+
+GREEDY = jinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = jinfer.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)
+PENALISED = jinfer.SamplingParams(
+    max_tokens=12, temperature=0.8, seed=5, repetition_penalty=1.4, presence_penalty=0.6,
+    frequency_penalty=0.3, ignore_eos=True,
+)  # fmt: skip
+SAMPLINGS = [GREEDY, SEEDED, PENALISED]
+
+
+def _prompt(seed, length):
+    return np.random.RandomState(seed).randint(0, VOCAB, length).tolist()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama_gqa_untied")[0]
+
+
+@pytest.fixture(scope="module")
+def uncached(model):
+    """The reference: each request alone, nothing ever cached."""
+    llm = jinfer.LLM(model, max_slots=1, max_seq_len=256, prefill_buckets=(16, 32), prefix_caching=False)
+
+    def alone(prompts, samplings):
+        return [llm.generate([p], s)[0].token_ids for p, s in zip(prompts, samplings, strict=True)]
+
+    return alone
+
+
+@pytest.mark.parametrize("mixed", [0, 8], ids=["separate-prefill", "mixed-prefill"])
+def test_prefix_hits_give_the_tokens_computed_from_scratch(model, uncached, mixed):
+    """A shared system prompt, a second chat turn (the first turn's prompt and answer, then more),
+    the same prompt twice in one batch: greedy, seeded and penalised requests find their prefix in
+    the cache, compute only the rest, and give the tokens they give with nothing cached."""
+    llm = jinfer.LLM(
+        model,
+        max_slots=4,
+        max_seq_len=256,
+        prefill_buckets=(16, 32),
+        mixed_prefill_tokens=mixed,
+        decode_steps=2,
+    )
+    system = _prompt(1, 70)  # longer than a chunk: cached over several chunks
+    first_turns = [system + _prompt(10 + i, 5 + 3 * i) for i in range(3)]
+    first = llm.generate(first_turns, SAMPLINGS)
+    assert [o.token_ids for o in first] == uncached(first_turns, SAMPLINGS)
+    answers = [o.token_ids for o in first]
+    second_turns = [
+        t + a + _prompt(20 + i, 9) for i, (t, a) in enumerate(zip(first_turns, answers, strict=True))
+    ]
+    twice = system + _prompt(30, 11)
+    prompts = [*second_turns, twice, twice]
+    samplings = [*SAMPLINGS, SEEDED, PENALISED]
+    second = llm.generate(prompts, samplings)
+    assert [o.token_ids for o in second] == uncached(prompts, samplings)
+    cached = [o.metrics["cached_prompt_tokens"] for o in second]
+    for turn, prior, hit in zip(second_turns, first_turns, cached[:3], strict=False):
+        assert hit >= (len(prior) + 12 - 1) // 16 * 16 - 16 and hit % 16 == 0 and hit < len(turn)
+    assert cached[3] >= 64 and cached[4] >= 64  # the system prompt's pages, at least
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] >= sum(cached) and stats["kv_pages_used"] == 0
+
+
+def test_salted_requests_find_only_their_own_prefixes(model):
+    llm = jinfer.LLM(model, max_slots=2, max_seq_len=128, prefill_buckets=(16, 32))
+    engine, prompt = llm.engine, _prompt(3, 40)
+    done = []
+
+    def run(salt):
+        engine.submit(engine.preparer.prepare(prompt, sampling=GREEDY, cache_salt=salt), done.append)
+        engine.run_until_idle()
+        return done[-1].metrics["cached_prompt_tokens"]
+
+    assert [run("a"), run("b"), run("a"), run(None), run(None)] == [0, 0, 32, 0, 32]
+
+
+def test_a_pool_for_four_full_sequences_runs_thirty_two_at_once(model, uncached):
+    """kv_cache_tokens = 4 x max_seq_len: 32 short requests all decode at once (the running gauge
+    reaches 32), each giving its solo tokens; afterwards every slot and page is free."""
+    llm = jinfer.LLM(
+        model, max_slots=32, max_seq_len=256, kv_cache_tokens=1024, page_size=8, prefill_buckets=(16,),
+        decode_steps=1, prefill_token_budget=512,
+    )  # fmt: skip
+    engine = llm.engine
+    prompts = [_prompt(100 + i, 6 + i % 7) for i in range(32)]
+    samplings = [dataclass_replace(SAMPLINGS[i % 3], max_tokens=6) for i in range(32)]
+    outputs = [[] for _ in prompts]
+    for i, (p, s) in enumerate(zip(prompts, samplings, strict=True)):
+        engine.submit(engine.preparer.prepare(p, sampling=s), lambda e, i=i: outputs[i].extend(e.token_ids))
+    most = 0
+    while engine.scheduler.has_work or engine._pending:
+        engine.step()
+        most = max(most, engine.stats()["running"])
+    assert most == 32
+    assert outputs == uncached(prompts, samplings)
+    stats = engine.stats()
+    assert (stats["slots_in_use"], stats["kv_pages_used"], stats["preemptions"]) == (0, 0, 0)
+
+
+def dataclass_replace(sampling, **changes):
+    import dataclasses
+
+    return dataclasses.replace(sampling, **changes)
+
+
+@pytest.mark.parametrize(
+    ("mixed", "decode_steps"), [(0, 1), (8, 1), (0, 4)], ids=["separate-prefill", "mixed-prefill", "4-steps"]
+)
+def test_out_of_pages_requests_are_preempted_and_resume_with_the_same_tokens(
+    model, uncached, mixed, decode_steps
+):
+    """A pool for two full-length sequences, eight long generations: sequences are preempted and
+    resumed (from the prefix cache) until all complete, each with exactly its solo tokens."""
+    llm = jinfer.LLM(
+        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, prefill_buckets=(16, 32),
+        mixed_prefill_tokens=mixed, decode_steps=decode_steps,
+    )  # fmt: skip
+    prompts = [_prompt(200 + i, 10 + 3 * i) for i in range(8)]
+    samplings = [dataclass_replace(SAMPLINGS[i % 3], max_tokens=90) for i in range(8)]
+    results = llm.generate(prompts, samplings)
+    assert [r.finish_reason for r in results] == ["length"] * 8
+    assert [r.token_ids for r in results] == uncached(prompts, samplings)
+    stats = llm.engine.stats()
+    assert stats["preemptions"] > 0 and sum(r.metrics["preemptions"] for r in results) == stats["preemptions"]
+    assert (stats["slots_in_use"], stats["kv_pages_used"], stats["running"], stats["waiting"]) == (0, 0, 0, 0)
