@@ -146,7 +146,9 @@ class EngineConfig:
         "positions the shared KV page pool holds, rounded up to whole pages; auto: max_slots x "
         "max_seq_len on a CPU, memory_fraction of free memory on an accelerator (at least max_seq_len)",
     )
-    page_size: int = setting(16, "positions per KV page (a power of two, 8 to 512)")
+    page_size: int | None = setting(
+        None, "positions per KV page (a power of two, 8 to 512); auto: 64 on a CPU, 16 on an accelerator"
+    )
     prefix_caching: bool = setting(
         True, "reuse the KV pages of prompt prefixes computed before (shared system prompts, chat turns)"
     )
@@ -193,7 +195,7 @@ class EngineConfig:
         ):
             raise ValueError(f"kv_cache_tokens must be a positive integer, got {self.kv_cache_tokens!r}")
         page = self.page_size
-        if not isinstance(page, int) or not 8 <= page <= 512 or page & (page - 1):
+        if page is not None and (not isinstance(page, int) or not 8 <= page <= 512 or page & (page - 1)):
             raise ValueError(f"page_size must be a power of two from 8 to 512, got {page!r}")
         for name in ("decode_kernel", "packed_weights", "prefix_caching"):
             value = getattr(self, name)

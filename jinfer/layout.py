@@ -5,6 +5,9 @@ start-up log all read. The per-platform choices live here and nowhere else:
     KV page pool       kv_cache_tokens in whole pages; auto: max_slots x max_seq_len on a CPU (the
                        memory a slot-per-sequence cache took), memory_fraction of free memory on
                        an accelerator; a pool that cannot fit is refused with one that would
+    page size          auto: 64 positions on a CPU (the attention kernel reads pages of 64 as
+                       fast as whole rows; 16 cost it ~15%), 16 on an accelerator (JAX's and
+                       vLLM's default, not yet measured on one here)
     max_seq_len        capped at the model's context window and at the pool
     prefill_buckets    none longer than max_seq_len
     attention kernel   CPU C++ / GPU Pallas / none (XLA's einsums), and so the attention buckets
@@ -166,6 +169,11 @@ def packed_kernel_runs(config: EngineConfig, devices: int) -> bool:
     )
 
 
+def default_page_size(backend: str) -> int:
+    """page_size "auto" (see the module docstring)."""
+    return 64 if backend == "cpu" else 16
+
+
 def _pool_pages(config: EngineConfig, max_seq_len: int, allowed_bytes: float, per_token: int) -> int:
     """Pages the pool is asked to hold, the sink included, a whole number per data shard:
     kv_cache_tokens rounded up to pages, or the per-platform auto value (whole pages that fit
@@ -201,6 +209,8 @@ def resolve_layout(
     it. Packed weights "auto" are left off when they would not fit beside the pool. A pool that
     does not fit is refused (ValueError) with the kv_cache_tokens that would."""
     max_seq_len = min(config.max_seq_len, model.max_position_embeddings)
+    if config.page_size is None:
+        config = dataclasses.replace(config, page_size=default_page_size(jax.default_backend()))
     page, per_token = config.page_size, cache_bytes_per_token
     allowed = config.memory_fraction * available_bytes
     pool_bytes = lambda pages: pages * page * per_token

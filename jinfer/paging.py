@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -54,7 +55,9 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self._refs = [0] * num_pages
-        self._free = collections.deque(range(1, num_pages))
+        # Free pages, lowest first (a heap): a sequence's pages mostly ascend in memory, which the
+        # CPU attention kernel streams a little faster than scattered ones (bench_paged_decode.py).
+        self._free = list(range(1, num_pages))
         self._key_of: dict[int, bytes] = {}  # cached page -> its key
         self._page_of: dict[bytes, int] = {}  # key -> cached page
         # Cached pages nobody references, least recently released first (evicted in this order).
@@ -102,7 +105,7 @@ class PagePool:
         pages = []
         for _ in range(n):
             if self._free:
-                page = self._free.popleft()
+                page = heapq.heappop(self._free)
             else:
                 page, _ = self._evictable.popitem(last=False)
                 del self._page_of[self._key_of.pop(page)]
@@ -128,7 +131,7 @@ class PagePool:
                 if page in self._key_of:
                     self._evictable[page] = None
                 else:
-                    self._free.append(page)
+                    heapq.heappush(self._free, page)
 
     def register(self, page: int, key: bytes) -> None:
         """Make a full, referenced page findable under `key`. A key already cached keeps its page
@@ -148,7 +151,7 @@ class PagePool:
             del self._page_of[key]
             if page in self._evictable:
                 del self._evictable[page]
-                self._free.append(page)
+                heapq.heappush(self._free, page)
 
 
 @dataclasses.dataclass(eq=False)

@@ -4,9 +4,10 @@ MBU and MFU, prefill MFU, and transformers on the same device as the peer.
 Meant for the rare session with an accelerator (an H200 here); nothing else depends on it.
 scripts/gpu_check.sh runs it, then a GPU smoke test. It builds the model with random weights
 directly on the device (no files), then times jinfer's own compiled steps:
-  * decode: all slots busy at `--context` positions, `decode_steps` steps per call, called back to
-    back, with XLA's einsum attention (over the attention bucket) and, where it applies, the Pallas
-    decode-attention kernel; MBU = (weight bytes + K/V bytes of the filled positions) / step time /
+  * decode: all slots busy at `--context` positions (each slot's pages its own), `decode_steps`
+    steps per call, called back to back, with XLA's einsum attention over gathered pages (over the
+    attention bucket) and, where it applies, the Pallas paged decode kernel at each of
+    `--page-sizes`; MBU = (weight bytes + K/V bytes of the filled positions) / step time /
     bandwidth, and MFU = the step's matrix FLOPs / step time / the matmul rate;
   * prefill: one `--prefill-tokens` prompt chunk; MFU as above;
   * mixed prefill: at the most slots, one decode step alone, carrying a prompt chunk of
@@ -199,6 +200,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=900, help="decode: positions filled before timing")
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--calls", type=int, default=25)
+    parser.add_argument("--page-sizes", default="16,64", help="KV page sizes the paged kernel runs at")
     parser.add_argument("--peer-tokens", type=int, default=32, help="tokens per transformers generate()")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument(
@@ -208,6 +210,7 @@ def main() -> int:
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
     slot_counts = [int(s) for s in args.slots.split(",")]
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
     hf = {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, **SHAPES[args.shape]}
     peer = {}
     if not args.no_peer:
@@ -234,8 +237,9 @@ def main() -> int:
     for slots in slot_counts:
         base = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
         variants = {"einsum": dataclasses.replace(base, decode_kernel=False)}
-        if layout_of(base, cfg).attention_kernel:
-            variants = {"kernel": base, **variants}
+        if layout_of(base, cfg).attention_kernel:  # the paged kernel at each page size asked for
+            kernels = {f"kernel, pages of {p}": dataclasses.replace(base, page_size=p) for p in page_sizes}
+            variants = {**kernels, **variants}
         for attention, asked in variants.items():
             engine = layout_of(asked, cfg)
             steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)

@@ -5,13 +5,15 @@ cache it replaced), paired, at each page size asked for.
 
 Each variant (the baseline revision, checked out with `git worktree` into a temporary folder, and
 this tree at each page size) runs in a process of its own that loads the embedded SmolLM2-135M
-once and decodes every case through `LLM.generate` (greedy, as a user's requests do: the engine's
-loop and host work included): 1 sequence after a 100-token prompt, 8 after 100, 8 after 1,024.
-A case's step time is taken over the window in which every sequence decodes (from the last first
-token to the first last token). Variants alternate round by round; the report gives, per case, each
-variant's median step time, its MBU (weights plus each sequence's K/V, over the memory bandwidth
-measured in the same run) and the median of its paired ratios against the baseline (tokens/s, so
-above 1 is faster).
+once and, when told, decodes a case through `LLM.generate` (greedy, as a user's requests do: the
+engine's loop and host work included): 1 sequence after a 100-token prompt, 8 after 100, 8 after
+1,024. A case's step time is taken over the window in which every sequence decodes (from the last
+first token to the first last token). The processes take turns case by case, in an order that
+alternates round by round; the report gives, per case, each variant's median step time, its MBU
+(weights plus each sequence's K/V, over the memory bandwidth measured in the same run) and the
+median of its paired ratios against the baseline (tokens/s, so above 1 is faster). Then each
+process times its CPU attention kernel alone (8 sequences at position 1,023, one layer), with the
+pages in order, interleaved and shuffled.
 """
 
 from __future__ import annotations
@@ -32,29 +34,72 @@ CASES = ((1, 100), (8, 100), (8, 1024))  # (sequences, prompt tokens)
 TOKENS = 96  # generated per sequence
 
 
-def worker(options: dict) -> dict:
-    """In the variant's own process: every case's step seconds (best of `repeats`), weight bytes
-    per step and K/V bytes per position."""
+def worker(options: dict) -> None:
+    """In the variant's own process: load, say what a step reads, then for each case named on stdin
+    print its step seconds (one line of JSON each)."""
     from benchlib import decode_weight_bytes
 
     import jinfer
 
-    llm = jinfer.LLM(max_slots=8, max_seq_len=2048, prefill_buckets=(64, 512), **options["engine"])
+    llm = jinfer.LLM(max_slots=8, max_seq_len=2048, prefill_buckets=(64, 512), **options)
     cfg = llm.engine.model_config
     sampling = jinfer.SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    out = {
-        "weight_bytes": decode_weight_bytes(llm.engine.params),
-        "kv_bytes_per_position": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
-        "cases": {},
-    }
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    print(json.dumps({"weight_bytes": decode_weight_bytes(llm.engine.params), "kv_bytes": per_position}))
+    prompts = {}
+    for line in sys.stdin:
+        if line.strip() == "kernel":
+            paged = hasattr(llm.engine.layout, "page_size")  # the baseline's cache has a row per slot
+            print(json.dumps(_kernel_s(llm.engine.layout.page_size if paged else None)), flush=True)
+            continue
+        slots, context = map(int, line.split())
+        if (slots, context) not in prompts:
+            rng = np.random.RandomState(context)
+            prompts[slots, context] = [rng.randint(100, 40000, context).tolist() for _ in range(slots)]
+            llm.generate(prompts[slots, context], sampling)  # compiles what the case needs
+        print(json.dumps(_window_step_s(llm.generate(prompts[slots, context], sampling))), flush=True)
+
+
+def _kernel_s(page_size: int | None) -> dict[str, float]:
+    """Seconds per call of the tree's CPU attention kernel alone: 8 sequences decoding at position
+    1,023 (SmolLM2's 3 kv heads of 3 queries, head_dim 64), best of 7 x 30 calls. With pages: laid
+    out in order, interleaved (8 sequences grown together) and shuffled; without (the slot cache it
+    replaced): each sequence's row of a [slots, K, S, H] cache."""
+    import jax
+    import jax.numpy as jnp
+
+    from jinfer.kernels import cpu_attention
+
+    batch, heads, groups, head_dim, seq = 8, 3, 3, 64, 1024
     rng = np.random.RandomState(0)
-    for slots, context in CASES:
-        prompts = [rng.randint(100, 40000, context).tolist() for _ in range(slots)]
-        llm.generate(prompts, sampling)  # compiles what the case needs
-        out["cases"][f"{slots}x{context}"] = min(
-            _window_step_s(llm.generate(prompts, sampling)) for _ in range(options["repeats"])
-        )
-    return out
+    q = jnp.asarray(rng.randn(batch, heads, groups, 1, head_dim), jnp.float32)
+    positions = jnp.full((batch, 1), seq - 1, jnp.int32)
+    call = jax.jit(lambda q, k, v, rows, positions: cpu_attention.attention(q, k, v, rows, positions, 0))
+
+    def best(*args) -> float:
+        call(*args).block_until_ready()
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(30):
+                out = call(*args)
+            out.block_until_ready()
+            times.append((time.perf_counter() - start) / 30)
+        return min(times)
+
+    if page_size is None:
+        cache = jnp.asarray(rng.randn(batch, heads, 2 * seq, head_dim), jnp.float32)
+        return {"contiguous": best(q, cache, cache, jnp.arange(batch, dtype=jnp.int32), positions)}
+    pages = 2 * seq // page_size
+    pool = jnp.asarray(rng.randn(heads, 1 + batch * pages, page_size, head_dim), jnp.float32)
+    layouts = {
+        "in order": np.arange(batch * pages).reshape(batch, pages),
+        "interleaved": np.arange(batch * pages).reshape(pages, batch).T,
+        "shuffled": rng.permutation(batch * pages).reshape(batch, pages),
+    }
+    return {
+        name: best(q, pool, pool, jnp.asarray(1 + t, jnp.int32), positions) for name, t in layouts.items()
+    }
 
 
 def _window_step_s(results) -> float:
@@ -69,14 +114,37 @@ def _window_step_s(results) -> float:
     return (end - start) / produced
 
 
-def _run_variant(tree: str, options: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": tree}  # the tree's jinfer before the installed one
-    script = os.path.abspath(__file__)
-    command = [sys.executable, script, "--worker", json.dumps(options)]
-    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"variant {options} in {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class Variant:
+    """A worker process of one tree and engine options."""
+
+    def __init__(self, tree: str, options: dict):
+        env = {**os.environ, "PYTHONPATH": tree}  # the tree's jinfer before the installed one
+        command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(options)]
+        self.process = subprocess.Popen(
+            command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.sizes = self._read()
+
+    def measure(self, slots: int, context: int) -> float:
+        return self._ask(f"{slots} {context}")
+
+    def kernel(self) -> dict[str, float]:
+        return self._ask("kernel")
+
+    def _ask(self, line: str):
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def _read(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a worker ended (exit code {self.process.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
 
 
 @contextlib.contextmanager
@@ -96,13 +164,12 @@ def main() -> int:
     )
     parser.add_argument("--baseline", required=False, help="the revision to compare against (git)")
     parser.add_argument("--page-sizes", default="16")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2, help="timings per case within a process (best)")
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
+        worker(json.loads(args.worker))
         return 0
     if not args.baseline:
         parser.error("--baseline is required")
@@ -110,26 +177,31 @@ def main() -> int:
     progress("measuring the memory bandwidth")
     bandwidth = measure_ceiling()["bandwidth_gb_s"] * 1e9
     with _worktree(args.baseline) as baseline_tree:
-        variants = {"baseline": (baseline_tree, {"engine": {}, "repeats": args.repeats})}
+        progress("starting the variants' processes (each loads the model)")
+        variants = {"baseline": Variant(baseline_tree, {})}
         for size in args.page_sizes.split(","):
-            variants[f"page {size}"] = (here, {"engine": {"page_size": int(size)}, "repeats": args.repeats})
-        runs = {name: [] for name in variants}
+            variants[f"page {size}"] = Variant(here, {"page_size": int(size)})
+        times = {(name, case): [] for name in variants for case in CASES}
         for round_ in range(args.rounds):
-            for name, (tree, options) in variants.items():
-                progress(f"round {round_ + 1}/{args.rounds}: {name}")
-                start = time.perf_counter()
-                runs[name].append(_run_variant(tree, options))
-                progress(f"  {time.perf_counter() - start:.0f} s: {runs[name][-1]['cases']}")
+            order = list(variants) if round_ % 2 == 0 else list(reversed(variants))
+            for case in CASES:
+                for name in order:
+                    times[name, case].append(variants[name].measure(*case))
+            progress(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {1e3 * times[n, c][-1]:.1f}" for c in CASES for n in variants
+            ))  # fmt: skip
+        progress("the attention kernel alone, in each variant's process")
+        kernels = {name: v.kernel() for name, v in variants.items()}
+        sizes = {name: v.sizes for name, v in variants.items()}
+        for v in variants.values():
+            v.close()
     rows, result = [], {"bandwidth_gb_s": bandwidth / 1e9, "baseline": args.baseline, "cases": {}}
     for slots, context in CASES:
         case = f"{slots}x{context}"
-        base = np.array([r["cases"][case] for r in runs["baseline"]])
-        for name, measured in runs.items():
-            steps = np.array([r["cases"][case] for r in measured])
-            read = (
-                measured[0]["weight_bytes"]
-                + slots * (context + TOKENS / 2) * measured[0]["kv_bytes_per_position"]
-            )
+        base = np.array(times["baseline", (slots, context)])
+        for name in variants:
+            steps = np.array(times[name, (slots, context)])
+            read = sizes[name]["weight_bytes"] + slots * (context + TOKENS / 2) * sizes[name]["kv_bytes"]
             ratios = base / steps
             entry = {
                 "step_ms": float(np.median(steps)) * 1e3,
@@ -153,6 +225,10 @@ def main() -> int:
     table = markdown_table(
         ["sequences x prompt", "variant", "step ms", "tok/s", "MBU", "tok/s / baseline (range)"], rows
     )
+    result["kernel_us"] = {name: {k: v * 1e6 for k, v in t.items()} for name, t in kernels.items()}
+    kernel_rows = [[name, layout, f"{t * 1e6:.0f}"] for name, k in kernels.items() for layout, t in k.items()]
+    table += "\n\nThe CPU attention kernel alone, 8 sequences at position 1,023, one layer:\n\n"
+    table += markdown_table(["variant", "pages", "us per call"], kernel_rows)
     print(table)
     write_results(args.out, "bench_paged_decode", result, table)
     return 0

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.kv_cache import contiguous_tables
 from jinfer.models import llama
 
 LLAMA_CPP_VERSION = "0.3.36"
@@ -101,6 +100,8 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
     and state, which it keeps afterwards (they are donated). Each slot reads and writes pages of its
     own (as many as a full-length sequence has: the pool must hold slots x max_seq_len positions).
     With `position`, every slot starts there; otherwise where the engine's requests left it."""
+    from jinfer.kv_cache import contiguous_tables
+
     decode = engine.steps.decode[slots, engine.steps.attention_bucket(reach)]
     layout = engine.layout
     tables = contiguous_tables(layout.max_slots, layout.max_seq_len, layout.page_size)

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny reference models built once per session, 8 virtual CPU devices."""
 
+import hashlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,6 +10,23 @@ import jax
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Compiled steps kept on disk between runs (JAX's persistent compilation cache, in a folder of its
+# own per CPU and jax version: an XLA:CPU executable is built for the CPU it was compiled on). A
+# first run compiles everything; later runs, and tests that build the same steps, load them.
+# JINFER_TEST_XLA_CACHE=off compiles everything every time.
+_cache_root = os.environ.get("JINFER_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jinfer"))
+if os.environ.get("JINFER_TEST_XLA_CACHE", "on") != "off":
+    from jinfer.kernels import _cpu_signature
+
+    _key = hashlib.sha256(f"{_cpu_signature()} {jax.__version__}".encode()).hexdigest()[:12]
+    _settings = {
+        "jax_compilation_cache_dir": os.path.join(_cache_root, f"xla-tests-{_key}"),
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_compilation_cache_max_size": 2 * 2**30,  # least recently used out past it
+    }
+    for _name, _value in _settings.items():
+        jax.config.update(_name, _value)
+        os.environ[_name.upper()] = str(_value)  # for the servers the tests start
 
 import tiny  # noqa: E402
 

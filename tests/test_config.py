@@ -195,7 +195,7 @@ def test_the_page_pool_is_sized_in_whole_pages_and_caps_the_sequence_length():
     assert (auto.num_pages, auto.kv_cache_tokens, auto.max_pages) == (251, 4000, 63)
     asked = layout(max_slots=64, max_seq_len=1024, kv_cache_tokens=3000, page_size=32)
     assert (asked.kv_cache_tokens, asked.max_slots, asked.max_seq_len) == (3008, 64, 1024)
-    small = layout(max_seq_len=1024, kv_cache_tokens=100)  # no sequence grows past the pool
+    small = layout(max_seq_len=1024, kv_cache_tokens=100, page_size=16)  # no sequence grows past the pool
     assert (small.kv_cache_tokens, small.max_seq_len, small.max_pages) == (112, 112, 7)
     sharded = layout(max_slots=4, max_seq_len=64, kv_cache_tokens=64, mesh_data=4)
     assert sharded.num_pages % 4 == 0 and sharded.kv_cache_tokens >= 64

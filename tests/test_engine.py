@@ -367,24 +367,26 @@ def test_background_loop_serves_submissions_from_other_threads(tiny_model):
 
 
 def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
-    """The engine wired to the Pallas decode-attention kernel (interpreted, so that it computes
-    exactly what it would on a GPU, in float32) decodes what the einsum path decodes. The real
-    kernel's numbers are checked against the einsums in test_kv_cache (on a GPU, in bfloat16)."""
-    from functools import partial
-
+    """The engine wired to the Pallas paged decode kernel (interpreted, so that it computes exactly
+    what it would on a GPU, in float32) decodes what the einsum path decodes. (A model without
+    sliding windows: the kernel has none, windowed layers attend by XLA.) The real kernel's numbers
+    are checked against the einsums in test_kv_cache (on a GPU, in bfloat16)."""
     from jinfer import layout
     from jinfer.kernels import gpu_attention
 
     monkeypatch.setattr(layout, "attention_kernel", lambda *args: "gpu")
-    monkeypatch.setattr(gpu_attention, "attention", partial(gpu_attention.attention, interpret=True))
+    real = gpu_attention.attention
     options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
-    llm = jinfer.LLM(tiny_model("mistral_sliding")[0], mixed_prefill_tokens=8, **options)
+    calls = []
+    monkeypatch.setattr(gpu_attention, "attention", lambda *a: (calls.append(a), real(*a, interpret=True))[1])
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], mixed_prefill_tokens=8, **options)
     assert llm.engine.steps.attention_buckets == (256,)  # the kernel needs no attention buckets
     prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some are carried
     samplings = [jinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 6
     got = [o.token_ids for o in llm.generate(prompts, samplings)]
+    assert calls  # traced into the decode steps
     monkeypatch.undo()
-    reference = jinfer.LLM(tiny_model("mistral_sliding")[0], decode_kernel=False, **options)
+    reference = jinfer.LLM(tiny_model("llama_gqa_untied")[0], decode_kernel=False, **options)
     assert got == [o.token_ids for o in reference.generate(prompts, samplings)]
 
 

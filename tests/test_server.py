@@ -352,7 +352,10 @@ def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_cache_metrics(cl
     """The second chat with the same system prompt finds it in the prefix cache: usage says how many
     prompt tokens were cached (streaming with include_usage too); a salted request finds nothing;
     /metrics shows the lookups, the pages and the gauges inference gateways read."""
-    system = "You answer every question about the weather in Köln in one short sentence, politely."
+    system = (
+        "You answer every question about the weather in Köln in one short sentence, politely, and "
+        "you never talk about anything else: not the trains, not the football, not the carnival."
+    )
     chat = lambda user, **kw: client.chat.completions.create(
         model="tiny",
         messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -365,7 +368,10 @@ def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_cache_metrics(cl
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = chat("Is it sunny?")
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    from jinfer.layout import default_page_size
+
+    page = default_page_size("cpu")
+    assert page <= cached < second.usage.prompt_tokens and cached % page == 0
     streamed = list(chat("Is it sunny?", stream=True, stream_options={"include_usage": True}))
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= cached
     salted = chat("Is it sunny?", extra_body={"cache_salt": "another tenant"})
@@ -373,7 +379,7 @@ def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_cache_metrics(cl
     prompts = first.usage.prompt_tokens + 3 * second.usage.prompt_tokens
     assert _metric(server, "jinfer_prefix_cache_queries_total") - queries >= prompts
     assert _metric(server, "jinfer_prefix_cache_hits_total") - hits >= 2 * cached
-    assert _metric(server, "jinfer_kv_pages_total") == 2 * 128 // 16  # auto: max_slots x max_seq_len
+    assert _metric(server, "jinfer_kv_pages_total") == 2 * 128 // page  # auto: max_slots x max_seq_len
     _wait_metric(server, "jinfer_kv_pages_used", 0)
     for gauge in ("jinfer_requests_waiting", "jinfer_kv_cache_usage_ratio", "jinfer_preemptions_total"):
         assert _metric(server, gauge) == 0

@@ -1,5 +1,6 @@
-"""The GGUF file: metadata -> ModelConfig, tensors -> named arrays in jinfer's layout (dequantized
-to float32 by the `gguf` package, llama.cpp's Q/K row interleaving undone), and the vocabulary ->
+"""The GGUF file (read by `gguf_reader`): metadata -> ModelConfig, tensors -> named arrays in
+jinfer's layout (dequantized to float32 by the `gguf` package, llama.cpp's Q/K row interleaving
+undone), and the vocabulary ->
 a `tokenizers` object jinfer builds itself: byte-level BPE (`tokenizer.ggml.model == "gpt2"`,
 pre-tokenizer chosen by `tokenizer.ggml.pre`) or SentencePiece-style BPE with byte fallback
 (`"llama"`).
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import ModelConfig, RopeConfig, UnsupportedModelError
+from jinfer.formats.gguf_reader import GGUFFile
 from jinfer.formats.hf import eos_ids, named_arrays
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
 from jinfer.tokenizer import HFBackend, Tokenizer, TokenizerError
@@ -110,25 +112,26 @@ def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, out_dim // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str):
-    """Open a GGUF file, turning the gguf package's low-level failures into a clear error."""
-    import gguf
-
+def read_gguf(path: str) -> GGUFFile:
+    """Open a GGUF file (`gguf_reader`), its failures a clear CheckpointError."""
     if not os.path.exists(path):
         raise CheckpointError(f"missing GGUF file {path}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
+        return GGUFFile(path)
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
 
 
-def gguf_metadata(reader) -> dict[str, Any]:
-    """Scalar and string metadata (big arrays such as the vocabulary are read by the tokenizer)."""
+_VOCABULARY = ("tokens", "merges", "token_type", "scores")
+
+
+def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
+    """Scalar and string metadata, arrays as lists (the vocabulary's big arrays are the tokenizer's)."""
     meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+    for key, value in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(_VOCABULARY):
             continue
-        meta[key] = field.contents()
+        meta[key] = value.tolist() if isinstance(value, np.ndarray) else value
     return meta
 
 
@@ -153,9 +156,6 @@ def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    expected_bytes = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if expected_bytes > os.path.getsize(path):
-        raise CheckpointError(f"{path}: truncated GGUF: tensor data ends at byte {expected_bytes}")
     rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
     cfg = model_config(meta, set(tensors), rope_freqs)
     permuted = meta["general.architecture"] in ("llama", "mistral")
@@ -272,23 +272,16 @@ def _byte_level_pre_tokenizer(pre: str):
     )
 
 
-def _gguf_array(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    return field.contents()
-
-
 def tokenizer_from_gguf(reader, meta: dict[str, Any]) -> Tokenizer:
     """Build a `tokenizers` tokenizer from the vocabulary stored in a GGUF file."""
     from tokenizers import AddedToken, processors
 
     kind = meta.get("tokenizer.ggml.model")
-    tokens = _gguf_array(reader, "tokenizer.ggml.tokens")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise TokenizerError("GGUF file has no tokenizer.ggml.tokens vocabulary")
-    types = _gguf_array(reader, "tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
-    types = np.asarray(types)
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    types = np.full(len(tokens), _TOKEN_NORMAL) if types is None else np.asarray(types)
     if kind == "gpt2":
         tok = _gguf_byte_level_bpe(reader, meta, tokens)
         default_add_bos = False
@@ -332,7 +325,7 @@ def _gguf_byte_level_bpe(reader, meta, tokens):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models
 
-    merges = _gguf_array(reader, "tokenizer.ggml.merges")
+    merges = reader.fields.get("tokenizer.ggml.merges")
     if merges is None:
         raise TokenizerError("GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -350,7 +343,7 @@ def _gguf_sentencepiece_bpe(reader, meta, tokens, types):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, normalizers
 
-    scores = _gguf_array(reader, "tokenizer.ggml.scores")
+    scores = reader.fields.get("tokenizer.ggml.scores")
     scores = np.zeros(len(tokens)) if scores is None else np.asarray(scores, dtype=np.float64)
     vocab = {t: i for i, t in enumerate(tokens)}
     mergeable = {t: i for t, i in vocab.items() if types[i] in (_TOKEN_NORMAL, _TOKEN_USER_DEFINED)}

@@ -39,7 +39,7 @@ using jinfer::Store;
 using jinfer::Sum;
 
 constexpr int64_t kBlock = 32;  // keys per block: a block of K and V rows stays in L1 across queries
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead key and value rows are prefetched
+constexpr int64_t kPrefetchKeys = 2 * kBlock;  // how far ahead key and value rows are prefetched
 constexpr int64_t kKeysPerHelper = 2048;  // (row, kv head, key) triples: below, one thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -149,13 +149,12 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
     const int64_t n = j1 - j0;
     const float* key_rows = keys.At(j0);
     const float* value_rows = values.At(j0);
-    // Ask for a later block now: the hardware prefetcher stops at each 4 KiB page (and the next
-    // KV page may lie anywhere).
-    const int64_t ahead = j0 + kPrefetchBlocks * kBlock;
-    if (ahead < hi) {
-      const int64_t rows = std::min({kBlock, hi - ahead, keys.PageEnd(ahead) - ahead});
-      const float *k_ahead = keys.At(ahead), *v_ahead = values.At(ahead);
-      for (int64_t offset = 0; offset < rows * H; offset += 16) {
+    // Ask now for the keys and values as far ahead as this block is long: the hardware
+    // prefetcher stops at each 4 KiB page, and the next KV page may lie anywhere.
+    for (int64_t a = j0 + kPrefetchKeys, a1; a < std::min(j1 + kPrefetchKeys, hi); a = a1) {
+      a1 = std::min({j1 + kPrefetchKeys, hi, keys.PageEnd(a)});
+      const float *k_ahead = keys.At(a), *v_ahead = values.At(a);
+      for (int64_t offset = 0; offset < (a1 - a) * H; offset += 16) {
         __builtin_prefetch(k_ahead + offset);
         __builtin_prefetch(v_ahead + offset);
       }
@@ -167,10 +166,13 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
       const int64_t end = std::min<int64_t>(position - j0 + 1, n);
       if (begin >= end) continue;  // nothing this query sees in the block (or at all)
       Scores(q + query * H, key_rows + begin * H, end - begin, H, scale, scores + begin);
-      std::fill(scores, scores + begin, kNegInf);
-      std::fill(scores + end, scores + kBlock, kNegInf);
+      // The 8-lane vectors covering [begin, end): a short block (a small page, the last keys)
+      // takes its exponentials over those lanes only.
+      const int64_t from = begin / 8 * 8, to = (end + 7) / 8 * 8;
+      std::fill(scores + from, scores + begin, kNegInf);
+      std::fill(scores + end, scores + to, kNegInf);
       f8 top = Splat(kNegInf);
-      for (int64_t j = 0; j < kBlock; j += 8) {
+      for (int64_t j = from; j < to; j += 8) {
         const f8 s = Load(scores + j);
         top = s > top ? s : top;
       }
@@ -180,7 +182,7 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
       const float rescale = std::exp(max[query] - new_max);  // 0 for the first block it sees
       max[query] = new_max;
       f8 total = Splat(0.0f);
-      for (int64_t j = 0; j < kBlock; j += 8) {
+      for (int64_t j = from; j < to; j += 8) {
         const f8 p = Exp(Load(scores + j) - new_max);
         Store(scores + j, p);
         total += p;
