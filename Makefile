@@ -44,4 +44,6 @@ bench: setup
 	$(PY) scripts/bench_host.py --out results
 	$(PY) scripts/bench_doors.py --out results
 	$(PY) scripts/bench_serve.py --out results
+	$(PY) scripts/bench_kv_pool.py --out results
+	$(PY) scripts/bench_paged_decode.py --baseline bd7b873 --page-sizes 64,32 --out results
 	$(PY) scripts/profile_decode.py --out results

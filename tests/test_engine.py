@@ -98,6 +98,7 @@ def test_no_recompiles_after_warmup(tiny_model, mixed):
         prefill_buckets=(16, 32),
         mixed_prefill_tokens=mixed,
         kv_cache_tokens=256,  # two full-length sequences: the crowd below is preempted at times
+        page_size=16,
     )
     llm.engine.warmup()
     before = llm.engine.compile_count()

@@ -124,7 +124,7 @@ def test_out_of_pages_requests_are_preempted_and_resume_with_the_same_tokens(
     """A pool for two full-length sequences, eight long generations: sequences are preempted and
     resumed (from the prefix cache) until all complete, each with exactly its solo tokens."""
     llm = jinfer.LLM(
-        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, prefill_buckets=(16, 32),
+        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, page_size=16, prefill_buckets=(16, 32),
         mixed_prefill_tokens=mixed, decode_steps=decode_steps,
     )  # fmt: skip
     prompts = [_prompt(200 + i, 10 + 3 * i) for i in range(8)]

@@ -61,6 +61,7 @@ TINY_OPTIONS = [
     "--max-slots", "2",
     "--max-queue", "3",
     "--max-seq-len", "128",
+    "--page-size", "16",
     "--prefill-buckets", "16,32",
     "--decode-steps", "2",
     "--max-body-bytes", "20000",
@@ -352,10 +353,7 @@ def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_cache_metrics(cl
     """The second chat with the same system prompt finds it in the prefix cache: usage says how many
     prompt tokens were cached (streaming with include_usage too); a salted request finds nothing;
     /metrics shows the lookups, the pages and the gauges inference gateways read."""
-    system = (
-        "You answer every question about the weather in Köln in one short sentence, politely, and "
-        "you never talk about anything else: not the trains, not the football, not the carnival."
-    )
+    system = "You answer every question about the weather in Köln in one short sentence, politely."
     chat = lambda user, **kw: client.chat.completions.create(
         model="tiny",
         messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -368,9 +366,7 @@ def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_cache_metrics(cl
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = chat("Is it sunny?")
     cached = second.usage.prompt_tokens_details.cached_tokens
-    from jinfer.layout import default_page_size
-
-    page = default_page_size("cpu")
+    page = int(TINY_OPTIONS[TINY_OPTIONS.index("--page-size") + 1])
     assert page <= cached < second.usage.prompt_tokens and cached % page == 0
     streamed = list(chat("Is it sunny?", stream=True, stream_options={"include_usage": True}))
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= cached
