@@ -12,8 +12,9 @@ Arrays are allocated once at their final size; jitted steps take the pools donat
 updated ones. One array per layer (rather than one stacked [L, ...] array) keeps every update an
 in-place scatter into that layer's buffer, with no slicing copies in the unrolled layer loop.
 Writes that must not land anywhere (padding of a prompt chunk, rows not decoding, positions past
-a table) are dropped, so a page shared through the prefix cache is never written by anyone but
-the sequence that filled it.
+a table or mapped to no page) are dropped, so a page shared through the prefix cache is never
+written by anyone but the sequence that filled it, and the sink page (`paging.SINK_PAGE`, what
+unmapped table entries point at) stays zeros.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.config import ModelConfig
+from jinfer.paging import SINK_PAGE
 
 
 @struct.dataclass
@@ -65,8 +67,9 @@ def write_kv(
     valid: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write new k, v [B, K, T, H] into one layer's pools at positions [B, T], through each batch
-    entry's block table tables [B, max_pages], in place. Entries where `valid` [B, T] is False, and
-    positions past the table, are dropped. One scatter of B x K x T head vectors."""
+    entry's block table tables [B, max_pages], in place. Entries where `valid` [B, T] is False,
+    positions past the table and positions it maps to no page (the sink) are dropped. One scatter
+    of B x K x T head vectors."""
     pool_k, pool_v = layer_kv
     heads, num_pages, page_size = pool_k.shape[:3]
     max_pages = tables.shape[1]
@@ -74,7 +77,7 @@ def write_kv(
     if valid is not None:
         inside &= valid
     page = jnp.take_along_axis(tables, jnp.clip(positions // page_size, 0, max_pages - 1), axis=1)
-    page = jnp.where(inside, page, num_pages)  # out of range: dropped
+    page = jnp.where(inside & (page != SINK_PAGE), page, num_pages)  # out of range: dropped
     index = (jnp.arange(heads)[None, :, None], page[:, None, :], (positions % page_size)[:, None, :])
     write = lambda pool, new: pool.at[index].set(new.astype(pool.dtype), mode="drop")
     return write(pool_k, k), write(pool_v, v)

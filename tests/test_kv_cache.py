@@ -73,11 +73,11 @@ def test_prefill_then_decode_equals_full_forward(family, kernel, tiny_model):
 
 def test_writes_land_in_their_pages_and_dropped_ones_nowhere():
     """Each position's K/V goes to its page and offset; invalid entries (chunk padding, inactive
-    rows) and positions past the table change nothing, the sink page included."""
+    rows), positions past the table and positions it maps to the sink (page 0) change nothing."""
     heads, pool_pages, page_size, head_dim = 2, 9, 4, 8
-    tables = np.array([[3, 7, 1], [5, 2, 8]], np.int32)
-    positions = np.array([[2, 3, 4, 5, 12], [0, 1, 2, 3, 4]], np.int32)  # 12: past the 3-page table
-    valid = np.array([[True] * 5, [True, True, False, False, False]])
+    tables = np.array([[3, 7, 1], [5, 2, 0]], np.int32)
+    positions = np.array([[2, 3, 4, 5, 12], [0, 1, 2, 3, 9]], np.int32)  # 12: past the 3-page table
+    valid = np.array([[True] * 5, [True, True, False, False, True]])
     new = np.arange(2 * heads * 5 * head_dim, dtype=np.float32).reshape(2, heads, 5, head_dim) + 1
     zeros = jnp.zeros((heads, pool_pages, page_size, head_dim))
     got, _ = write_kv((zeros, zeros), new, new, positions, tables, valid)
@@ -85,10 +85,10 @@ def test_writes_land_in_their_pages_and_dropped_ones_nowhere():
     for b in range(2):
         for t in range(5):
             p = positions[b, t]
-            if valid[b, t] and p < 12:
+            if valid[b, t] and p < 12 and tables[b, p // page_size] != 0:
                 want[:, tables[b, p // page_size], p % page_size] = new[b, :, t]
     np.testing.assert_array_equal(np.asarray(got), want)
-    assert np.all(want[:, 0] == 0) and np.all(want[:, [4, 6]] == 0)
+    assert np.all(want[:, 0] == 0) and np.all(want[:, [4, 6, 8]] == 0)
 
 
 def test_random_init_follows_the_declaration(tiny_model):
