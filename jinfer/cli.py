@@ -78,7 +78,7 @@ def _convert(args) -> int:
     from jinfer.loading import load_model
 
     t0 = time.perf_counter()
-    loaded = load_model(args.src)
+    loaded = load_model(args.src, quantization=args.quantization)
     save_checkpoint(args.dst, loaded)
     print(
         f"wrote {args.dst} ({loaded.config.architecture}, {time.perf_counter() - t0:.1f} s)", file=sys.stderr
@@ -87,7 +87,7 @@ def _convert(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jinfer.config import CONTEXT_POLICIES, EngineConfig
+    from jinfer.config import CONTEXT_POLICIES, QUANTIZATIONS, EngineConfig
     from jinfer.options import add_flags
     from jinfer.sampling import SamplingParams
 
@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="write a jinfer (orbax) checkpoint from any supported model")
     conv.add_argument("src", help="HF directory, .gguf file or jinfer checkpoint")
     conv.add_argument("dst", help="output directory")
+    conv.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="auto",
+        help="auto: weights as the source holds them (a GGUF's Q8_0 / Q4_0 / Q4_1 blocks stay so); "
+        "int8: float matrices quantized to int8 per output channel; none: all float (default: auto)",
+    )
     conv.set_defaults(func=_convert)
     return parser
 

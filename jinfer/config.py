@@ -113,6 +113,7 @@ class ModelConfig:
 
 
 CONTEXT_POLICIES = ("error", "truncate", "drop_oldest")
+QUANTIZATIONS = ("auto", "int8", "none")
 
 
 # Per-request entries the device state has room for (sizes of fixed arrays in each prompt chunk).
@@ -176,6 +177,12 @@ class EngineConfig:
         "a second, packed copy of each weight matrix for jinfer's CPU matmul kernel (one CPU device, "
         "float32); auto: on where the kernel runs and memory allows",
     )
+    quantization: str = setting(
+        "auto",
+        "auto: weights held as the file holds them (a GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay "
+        "quantized, multiplied by jinfer's CPU kernel: one CPU device, float32); int8: float "
+        "matrices quantized at load (weight-only, per output channel); none: all dequantized",
+    )
     mesh_data: int = setting(1, "devices along the data axis (slots are split over it)")
     mesh_model: int = setting(1, "devices along the model axis (heads, MLP width, vocabulary)")
     context_policy: str = setting("error", "for requests that name none: error | truncate | drop_oldest")
@@ -216,6 +223,8 @@ class EngineConfig:
             or not all(isinstance(b, int) and b > 0 for b in buckets)
         ):
             raise ValueError(f"prefill_buckets must be a tuple of positive lengths, got {buckets!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -29,9 +29,9 @@ import numpy as np
 
 from jinfer.config import EngineConfig, dispatch_steps
 from jinfer.kv_cache import bytes_per_token
-from jinfer.layout import param_bytes, resolve_layout
+from jinfer.layout import param_bytes, resolve_layout, why_dequantized
 from jinfer.loading import LoadedModel
-from jinfer.models import llama
+from jinfer.models import llama, quantized
 from jinfer.paging import KVPages, SequencePages
 from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.sampling import SamplingArrays, SamplingParams
@@ -44,7 +44,7 @@ from jinfer.scheduler import (
     Scheduler,
     deliver,
 )
-from jinfer.sharding import make_mesh, pad_for_mesh, param_shardings
+from jinfer.sharding import make_mesh, place_params
 from jinfer.state import pack_chunk
 from jinfer.steps import build_steps
 from jinfer.tokenizer import TextStream
@@ -97,11 +97,14 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = _DTYPES[config.dtype]
-        padded_cfg, params = pad_for_mesh(loaded.config, loaded.params, config.mesh_model)
-        shardings = param_shardings(padded_cfg, self.mesh)
-        self.params = jax.device_put(jax.tree.map(lambda a: a.astype(self.dtype), params), shardings)
-        weight_bytes = param_bytes(self.params)
         devices = config.mesh_data * config.mesh_model
+        params = loaded.params
+        why = why_dequantized(config, devices)
+        if why and quantized.formats_held(params):
+            log.info("engine: quantized weights dequantized to %s: %s", config.dtype, why)
+            params = quantized.dequantized(params)
+        padded_cfg, self.params = place_params(loaded.config, params, self.mesh, self.dtype)
+        weight_bytes = param_bytes(quantized.floats(self.params))  # what a packed copy would take
         per_token = bytes_per_token(padded_cfg, self.dtype)
         self.layout = layout = resolve_layout(
             config,
@@ -112,8 +115,8 @@ class Engine:
             available_bytes=available_memory_bytes(self.mesh.devices.flat[0]) * devices,
         )
         if layout.packed_weights:  # one device: the packed copies' own placement will do
-            self.params = llama.pack_weights(self.params)
-            shardings = jax.tree.map(lambda a: a.sharding, self.params)
+            self.params = llama.pack_weights(self.params, padded_cfg)
+        shardings = jax.tree.map(lambda a: a.sharding, self.params)
         self.cache_bytes = layout.num_pages * layout.page_size * per_token
         self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, loaded.config.vocab_size)
         self.cache = self.steps.new_cache(self.dtype)
@@ -147,13 +150,12 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         log.info(
-            "engine: %d slots, sequences up to %d positions, weights %.1f MiB%s, mesh data=%d model=%d",
+            "engine: %d slots, sequences up to %d positions, mesh data=%d model=%d; weights %s",
             layout.max_slots,
             layout.max_seq_len,
-            weight_bytes * (1 + layout.packed_weights) / 2**20,
-            " (with packed copies)" if layout.packed_weights else "",
             layout.mesh_data,
             layout.mesh_model,
+            quantized.describe_held(self.params, packed=layout.packed_weights),
         )
         log.info("engine: %s", layout.describe_pool(per_token))
         log.info("engine: %s", layout.describe())

@@ -12,6 +12,7 @@ start-up log all read. The per-platform choices live here and nowhere else:
     prefill_buckets    none longer than max_seq_len
     attention kernel   CPU C++ / GPU Pallas / none (XLA's einsums), and so the attention buckets
     packed weights     the CPU matmul kernel where it runs (and, asked for "auto", memory allows)
+    quantized weights  kept (and multiplied by their CPU kernel) where it runs, else dequantized
     slot buckets, mixed chunk sizes  (functions of the above)
 """
 
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 from jinfer.config import COLUMN_TILE, EngineConfig, ModelConfig
-from jinfer.kernels import cpu_attention, cpu_matmul, gpu_attention
+from jinfer.kernels import cpu_attention, cpu_matmul, cpu_quant_matmul, gpu_attention
 
 
 def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
@@ -158,15 +159,23 @@ def attention_kernel(config: EngineConfig, model: ModelConfig, max_pages: int, d
     return None
 
 
-def packed_kernel_runs(config: EngineConfig, devices: int) -> bool:
-    """Whether the CPU matmul kernel can multiply this engine's products: one CPU device, float32
-    (it has no sharding rule and multiplies float32), and the kernel built."""
+def packed_kernel_runs(config: EngineConfig, devices: int, kernel=cpu_matmul) -> bool:
+    """Whether a CPU matmul kernel (the packed one, or `kernel`) can multiply this engine's
+    products: one CPU device, float32 (it has no sharding rule and multiplies float32), and the
+    kernel built."""
     return (
-        devices == 1
-        and jax.default_backend() == "cpu"
-        and config.dtype == "float32"
-        and cpu_matmul.available()
+        devices == 1 and jax.default_backend() == "cpu" and config.dtype == "float32" and kernel.available()
     )
+
+
+def why_dequantized(config: EngineConfig, devices: int) -> str | None:
+    """Why quantized weights would be dequantized at load (None: the quantized kernel multiplies
+    them): asked to, or its conditions (as the packed kernel's) do not hold, or it is not built."""
+    if config.quantization == "none":
+        return "quantization=none"
+    if not packed_kernel_runs(config, devices, cpu_quant_matmul):
+        return "jinfer multiplies quantized weights on one CPU device, float32, with its kernel built"
+    return None
 
 
 def default_page_size(backend: str) -> int:

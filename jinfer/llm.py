@@ -83,13 +83,15 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_options):
         """`engine_options` are EngineConfig fields (max_slots, max_seq_len, dtype, mesh_data, ...)."""
-        loaded = load_model(model if model is not None else default_model_path())
+        config = EngineConfig(**engine_options)
+        path = model if model is not None else default_model_path()
+        loaded = load_model(path, quantization=config.quantization)
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.source} has no tokenizer files; jinfer.LLM needs one")
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.engine = Engine(loaded, EngineConfig(**engine_options))
+        self.engine = Engine(loaded, config)
         self.preparer = self.engine.preparer
         self.max_seq_len = self.preparer.max_seq_len
         self._score = jax.jit(partial(_score, cfg=self.engine.steps.model, vocab=self.config.vocab_size))
@@ -102,7 +104,8 @@ class LLM:
 
     @property
     def params(self):
-        """The model's weights (without the engine's packed copies, if it keeps them)."""
+        """The model's weights (without the engine's packed copies, if it keeps them; quantized
+        matrices as `models.quantized.QuantizedWeight`)."""
         return llama.unpacked(self.engine.params)
 
     # ------------------------------------------------------------------------------ public

@@ -18,10 +18,13 @@ from jinfer.tokenizer import Tokenizer, TokenizerError
 __all__ = ["CheckpointError", "LoadedModel", "default_model_path", "load_model", "load_tokenizer"]
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
+def load_model(path: str | os.PathLike, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
     """Load a HF model directory, a .gguf file or a jinfer checkpoint directory; the model's
-    preset (`jinfer.presets`), if it has one, adds its sampling defaults."""
-    loaded = _load(os.fspath(path), dtype)
+    preset (`jinfer.presets`), if it has one, adds its sampling defaults. `quantization` (as
+    `EngineConfig.quantization`): "auto" keeps quantized what the file holds quantized (a GGUF's
+    Q8_0 / Q4_0 / Q4_1 matrices, a checkpoint's blocks), "int8" also quantizes float matrices,
+    "none" dequantizes everything."""
+    loaded = _load(os.fspath(path), dtype, quantization)
     preset = model_preset(path)
     if "sampling" in preset:
         sampling = check_model_defaults(preset["sampling"], f"the preset for {os.path.basename(path)}")
@@ -29,14 +32,14 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     return loaded
 
 
-def _load(path: str, dtype) -> LoadedModel:
+def _load(path: str, dtype, quantization: str) -> LoadedModel:
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return gguf.load_gguf(path, dtype)
+        return gguf.load_gguf(path, dtype, quantization)
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, checkpoint.CHECKPOINT_MARKER)):
-            return checkpoint.load_checkpoint(path, dtype)
+            return checkpoint.load_checkpoint(path, dtype, quantization=quantization)
         if os.path.exists(os.path.join(path, "config.json")):
-            return hf.load_hf(path, dtype)
+            return hf.load_hf(path, dtype, quantization)
     if not os.path.exists(path):
         raise CheckpointError(f"no model at {path}")
     raise CheckpointError(

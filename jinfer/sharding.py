@@ -17,6 +17,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import ModelConfig
 from jinfer.models.llama import Params, is_spec, param_specs
+from jinfer.models.quantized import is_quantized
 
 DATA, MODEL = "data", "model"
 
@@ -91,3 +92,16 @@ def pad_for_mesh(cfg: ModelConfig, params: Params, model_axis: int) -> tuple[Mod
         return jnp.pad(array, widths) if any(w for _, w in widths) else array
 
     return padded, jax.tree.map(pad, param_specs(cfg), params, is_leaf=is_spec)
+
+
+def place_params(cfg: ModelConfig, params: Params, mesh: Mesh, dtype) -> tuple[ModelConfig, Params]:
+    """The weights on the mesh: padded for its model axis (`pad_for_mesh`), float values cast to
+    `dtype`, each weight placed by its declared sharding. Quantized blocks (one device only: they
+    have no sharding rule) are placed as they are. Returns the padded config and the weights."""
+    padded_cfg, params = pad_for_mesh(cfg, params, mesh.shape[MODEL])
+    whole = NamedSharding(mesh, PartitionSpec())
+
+    def placed(sharding, w):
+        return jax.device_put(w, whole) if is_quantized(w) else jax.device_put(w.astype(dtype), sharding)
+
+    return padded_cfg, jax.tree.map(placed, param_shardings(padded_cfg, mesh), params)

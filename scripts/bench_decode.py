@@ -63,8 +63,10 @@ from jinfer.kv_cache import bytes_per_token
 from jinfer.loading import default_model_path
 
 PREFILL_TOKENS = 256
-# As every door runs it on a CPU by default: a packed copy of the weights for the decode kernel.
-JINFER_OPTIONS = {"packed_weights": True}
+# As every door runs float weights on a CPU by default: a packed copy for the decode kernel. The
+# embedded GGUF's blocks are dequantized: this benchmark compares float32 engines (bench_quantized
+# compares the quantized ones).
+JINFER_OPTIONS = {"packed_weights": True, "quantization": "none"}
 
 
 def jinfer_decode(llm: jinfer.LLM, slots: int, tokens: int) -> dict[str, float]:
@@ -274,6 +276,7 @@ def bench_packed_weights(path: str, slot_counts: list[int], rounds: int = 5) -> 
     for slots in slot_counts:
         progress(f"packed weights: {slots} slots, packed and XLA engines (load, build, warm up)")
         options = {"max_slots": slots, "max_seq_len": 512, "prefill_buckets": (16,), "decode_steps": 4}
+        options["quantization"] = "none"  # float matrices: the packed kernel's and XLA's products
         engines = {
             packed: jinfer.LLM(path, packed_weights=packed, **options).engine for packed in (True, False)
         }

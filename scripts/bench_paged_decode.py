@@ -180,7 +180,8 @@ def main() -> int:
         progress("starting the variants' processes (each loads the model)")
         variants = {"baseline": Variant(baseline_tree, {})}
         for size in args.page_sizes.split(","):
-            variants[f"page {size}"] = Variant(here, {"page_size": int(size)})
+            # Float weights, as the slot-layout baseline holds them: this compares the KV layouts.
+            variants[f"page {size}"] = Variant(here, {"page_size": int(size), "quantization": "none"})
         times = {(name, case): [] for name in variants for case in CASES}
         for round_ in range(args.rounds):
             order = list(variants) if round_ % 2 == 0 else list(reversed(variants))

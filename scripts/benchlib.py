@@ -8,6 +8,7 @@ machines are shared and noisy: only ratios taken side by side mean much.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.models import llama
+from jinfer.models import llama, quantized
 
 LLAMA_CPP_VERSION = "0.3.36"
 PROMPT = "Once upon a time, there was a little"
@@ -68,9 +69,9 @@ def decode_weight_bytes(params) -> int:
     """Bytes of weights one decode step reads: all of them, less an untied input embedding (it is
     gathered one row per token); of a matrix with a packed copy, one of the two."""
     params = llama.unpacked(params)
-    total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+    total = sum(a.nbytes for a in jax.tree.leaves(params))
     if params.lm_head is not None:
-        total -= params.embed.size * params.embed.dtype.itemsize
+        total -= sum(a.nbytes for a in jax.tree.leaves(params.embed))
     return total
 
 
@@ -146,8 +147,9 @@ def paired_ratio(numerator: np.ndarray, denominator: np.ndarray) -> dict[str, fl
 def matrix_params(params) -> tuple[int, int]:
     """(weights in all layers, the output projection): what each token's matrix products multiply."""
     params = llama.unpacked(params)
-    layers = sum(a.size for a in jax.tree.leaves(params.layers))
-    return layers, (params.lm_head if params.lm_head is not None else params.embed).size
+    leaves = lambda tree: jax.tree.leaves(tree, is_leaf=quantized.is_quantized)
+    weights = lambda tree: sum(math.prod(w.shape) for w in leaves(tree))
+    return weights(params.layers), weights(params.lm_head if params.lm_head is not None else params.embed)
 
 
 def attention_flops(cfg, queries: int, keys: int) -> int:

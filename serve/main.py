@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = server.model or default_model_path()
     start = time.perf_counter()
     try:
-        loaded = load_model(model_path)
+        loaded = load_model(model_path, quantization=engine_config.quantization)
         loaded.generation_defaults.update(sampling)
         engine = Engine(loaded, engine_config)
     except (ValueError, OSError) as e:

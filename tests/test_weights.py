@@ -20,7 +20,7 @@ from jinfer.formats.gguf import load_gguf
 from jinfer.formats.hf import load_hf
 from jinfer.formats.params import param_paths
 from jinfer.loading import CheckpointError, load_model
-from jinfer.models import llama
+from jinfer.models import llama, quantized
 from jinfer.sharding import MODEL, make_mesh, param_shardings
 
 
@@ -63,9 +63,12 @@ def test_gguf_types_dequantize_to_the_original_weights(tiny_model, tmp_path, qty
     directory, model = tiny_model("llama_gqa_untied")
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     write_gguf(model, directory, path, qtype)
-    from_gguf, from_hf = load_gguf(path), load_hf(directory)
+    from_gguf, from_hf = load_gguf(path, quantization="none"), load_hf(directory)
     assert from_gguf.config.rope == from_hf.config.rope
     ours, reference = _flat(from_gguf.params), _flat(from_hf.params)
+    # Kept as blocks (Q8_0, Q4_0, Q4_1), the same values.
+    for name, value in _flat(quantized.dequantized(load_gguf(path).params)).items():
+        np.testing.assert_array_equal(value, ours[name])
     assert ours.keys() == reference.keys()
     # Worst-case relative error of each format on weights ~N(0, 0.1).
     tolerance = {"F32": 0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q4_0": 0.2, "Q4_1": 0.1}[qtype]

@@ -1,6 +1,7 @@
 """jinfer's own checkpoint directory: the parameter pytree as an orbax checkpoint (restored
 straight into its target sharding), the model config and generation defaults as JSON beside it
-(`jinfer_checkpoint.json`), and the tokenizer's files."""
+(`jinfer_checkpoint.json`), and the tokenizer's files. A quantized weight is stored as its rows of
+ggml blocks (uint8, the same on every CPU; `models.quantized`), its format and shape in the JSON."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.formats.hf import maybe_tokenizer
-from jinfer.formats.params import CheckpointError, LoadedModel, check_vocab
+from jinfer.formats.params import CheckpointError, LoadedModel, check_vocab, path_name, placed
+from jinfer.models import quantized
 from jinfer.models.llama import Params, abstract_params, is_spec, param_specs
+from jinfer.models.quantized import FORMATS, HostBlocks
 
 CHECKPOINT_MARKER = "jinfer_checkpoint.json"
-# The parameter layout a checkpoint holds. 2: stacked `wqkv` and `w_gate_up`. Version 1 was written
-# both before and after that change, so it is restored when its names match and refused otherwise.
-CHECKPOINT_VERSION = 2
+# The parameter layout a checkpoint holds. 2: stacked `wqkv` and `w_gate_up`; 3: weights may be
+# quantized blocks. Version 1 was written both before and after the stacking, so it is restored
+# when its names match and refused otherwise.
+CHECKPOINT_VERSION = 3
 _CONVERT_AGAIN = "convert the source model again with this jinfer (`jinfer convert`)"
 
 
@@ -28,8 +33,19 @@ def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
 
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
+    blocks = {}
+
+    def stored(path, w):
+        if not quantized.is_quantized(w):
+            return w
+        host = w.to_host()
+        stored = list(host.data.shape)
+        blocks[path_name(path)] = {"format": w.format, "shape": list(w.shape), "stored": stored}
+        return host.data
+
+    params = jax.tree_util.tree_map_with_path(stored, loaded.params, is_leaf=quantized.is_quantized)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.join(directory, "params"), loaded.params, force=True)
+        checkpointer.save(os.path.join(directory, "params"), params, force=True)
         checkpointer.wait_until_finished()
     if loaded.tokenizer is not None:
         loaded.tokenizer.save(directory)
@@ -39,13 +55,17 @@ def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
         "model": loaded.config.to_dict(),
         "generation_defaults": loaded.generation_defaults,
         "converted_from": loaded.source,
+        "quantized": blocks,
     }
     with open(os.path.join(directory, CHECKPOINT_MARKER), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
 
 
-def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None = None) -> LoadedModel:
-    """Restore a jinfer checkpoint straight into `shardings` (default: the first device)."""
+def load_checkpoint(
+    directory: str, dtype=jnp.float32, shardings: Params | None = None, quantization: str = "auto"
+) -> LoadedModel:
+    """Restore a jinfer checkpoint straight into `shardings` (default: the first device; quantized
+    blocks go to it whole), as `quantization` asks (see `formats.params.placed`)."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -61,7 +81,16 @@ def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None 
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, param_specs(cfg), is_leaf=is_spec)
-    target = abstract_params(cfg, dtype, shardings)
+    blocks = meta.get("quantized", {})
+    first = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def target_of(path, leaf):
+        entry = blocks.get(path_name(path))
+        if entry is None:
+            return leaf
+        return jax.ShapeDtypeStruct(tuple(entry["stored"]), jnp.uint8, sharding=first)
+
+    target = jax.tree_util.tree_map_with_path(target_of, abstract_params(cfg, dtype, shardings))
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(os.path.join(directory, "params"), target)
@@ -72,6 +101,16 @@ def load_checkpoint(directory: str, dtype=jnp.float32, shardings: Params | None 
             else ""
         )
         raise CheckpointError(f"{directory}: cannot restore params: {e}{hint}") from None
+
+    def weight(path, spec, w):
+        entry = blocks.get(path_name(path))
+        if entry is not None:
+            w = HostBlocks(FORMATS[entry["format"]], np.asarray(w), tuple(entry["shape"]))
+        elif quantization != "int8" or not quantized.int8_quantizable(w.shape, spec.input_dims):
+            return w  # restored in place (and sharding) as it is
+        return placed(w, spec, dtype, quantization)
+
+    params = jax.tree_util.tree_map_with_path(weight, param_specs(cfg), params, is_leaf=is_spec)
     tokenizer = maybe_tokenizer(directory)
     check_vocab(cfg, tokenizer, directory)
     return LoadedModel(cfg, params, tokenizer, meta.get("generation_defaults", {}), directory)

@@ -8,6 +8,8 @@ pre-tokenizer chosen by `tokenizer.ggml.pre`) or SentencePiece-style BPE with by
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 from typing import Any
@@ -19,7 +21,10 @@ from jinfer.config import ModelConfig, RopeConfig, UnsupportedModelError
 from jinfer.formats.gguf_reader import GGUFFile
 from jinfer.formats.hf import eos_ids, named_arrays
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
+from jinfer.models.quantized import FORMATS, HostBlocks
 from jinfer.tokenizer import HFBackend, Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
 
 
 def model_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
@@ -106,10 +111,13 @@ _GGUF_TO_HF = {
 }
 
 
-def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+def _unpermute_qk(w: np.ndarray | HostBlocks, heads: int) -> np.ndarray | HostBlocks:
     """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF's pairs halves)."""
     out_dim = w.shape[0]
-    return w.reshape(heads, out_dim // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    order = np.arange(out_dim).reshape(heads, out_dim // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+    if isinstance(w, HostBlocks):
+        return dataclasses.replace(w, data=w.data[order])
+    return w[order]
 
 
 def read_gguf(path: str) -> GGUFFile:
@@ -135,6 +143,10 @@ def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
     return meta
 
 
+# ggml types kept as their blocks (`models.quantized`) when the loader is asked to.
+_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+
+
 def dequantize(tensor) -> np.ndarray:
     import gguf
 
@@ -152,7 +164,23 @@ def dequantize(tensor) -> np.ndarray:
     return array.reshape(shape)
 
 
-def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
+def _weight(tensor, keep_quantized: bool, dequantized: set[str]) -> np.ndarray | HostBlocks:
+    """A tensor's weight: its blocks as they are for a matrix of a kept type (when asked), else its
+    values as float32 (quantized types other than those kept are noted in `dequantized`)."""
+    kind = tensor.tensor_type.name
+    if keep_quantized and kind in _KEPT and len(tensor.shape) == 2:
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        return HostBlocks(FORMATS[_KEPT[kind]], np.asarray(tensor.data), shape)
+    if kind not in ("F32", "F16"):
+        dequantized.add(kind)
+    return dequantize(tensor)
+
+
+def load_gguf(path: str, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
+    """A GGUF model. Unless `quantization` is "none", matrices of the types jinfer multiplies
+    quantized (Q8_0, Q4_0, Q4_1) stay as their blocks; any other quantized type is dequantized
+    (logged); "int8" quantizes the float matrices (`assemble_params`)."""
+    keep_quantized = quantization != "none"
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -162,12 +190,14 @@ def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
     top_level = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
     top_level["output.weight"] = "lm_head.weight"
 
+    dequantized: set[str] = set()
+
     def as_hf_tensors():
         """GGUF tensors under their Hugging Face names (same [out, in] layout), Q/K un-permuted."""
         for name, tensor in tensors.items():
             if name == "rope_freqs.weight":
                 continue  # already folded into the config
-            w = dequantize(tensor)
+            w = _weight(tensor, keep_quantized, dequantized)
             if (m := _GGUF_LAYER.fullmatch(name)) and m.group(2) in _GGUF_TO_HF:
                 suffix = m.group(2)
                 if permuted and suffix.startswith("attn_q."):
@@ -178,7 +208,12 @@ def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
             yield top_level.get(name, name), w
 
     arrays = named_arrays(cfg, as_hf_tensors())
-    params = assemble_params(cfg, arrays, dtype, source=path)
+    if dequantized:
+        log.info(
+            "%s: %s tensors dequantized to float32 at load (jinfer multiplies %s quantized)",
+            path, ", ".join(sorted(dequantized)), ", ".join(_KEPT) if keep_quantized else "none",
+        )  # fmt: skip
+    params = assemble_params(cfg, arrays, dtype, source=path, quantization=quantization)
     tokenizer = tokenizer_from_gguf(reader, meta)
     check_vocab(cfg, tokenizer, path)
     return LoadedModel(cfg, params, tokenizer, {}, path)

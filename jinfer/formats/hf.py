@@ -28,6 +28,7 @@ from jinfer.config import (
     UnsupportedModelError,
 )
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
+from jinfer.models import quantized
 from jinfer.sampling import MODEL_DEFAULTS
 from jinfer.tokenizer import Backend, HFBackend, SentencePieceBackend, Tokenizer, TokenizerError
 
@@ -277,7 +278,9 @@ def _fuse_parts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             continue
         names = [f"{stacked}.{p}" for p in fused[0]]
         if all(n in arrays for n in names):
-            arrays[stacked] = np.concatenate([arrays.pop(n) for n in names], axis=fused[1])
+            parts = [arrays.pop(n) for n in names]
+            stack = quantized.concatenate if isinstance(parts[0], quantized.HostBlocks) else np.concatenate
+            arrays[stacked] = stack(parts, axis=fused[1])
     return arrays
 
 
@@ -302,7 +305,9 @@ def named_arrays(cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]]) ->
     return _fuse_parts(out)
 
 
-def load_hf(directory: str, dtype=jnp.float32) -> LoadedModel:
+def load_hf(directory: str, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
+    """A Hugging Face model directory; with `quantization` "int8" its matrices are quantized as
+    they are read (`assemble_params`)."""
     cfg = model_config(directory)
     files = _hf_weight_files(directory)
 
@@ -310,7 +315,8 @@ def load_hf(directory: str, dtype=jnp.float32) -> LoadedModel:
         for path in files:
             yield from read_safetensors(path).items()
 
-    params = assemble_params(cfg, named_arrays(cfg, tensors()), dtype, source=directory)
+    arrays = named_arrays(cfg, tensors())
+    params = assemble_params(cfg, arrays, dtype, source=directory, quantization=quantization)
     tokenizer = maybe_tokenizer(directory)
     check_vocab(cfg, tokenizer, directory)
     return LoadedModel(cfg, params, tokenizer, _generation_defaults(directory, cfg), directory)

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import ModelConfig
+from jinfer.models import quantized
 from jinfer.models.llama import Params, is_spec, param_specs
+from jinfer.models.quantized import HostBlocks, QuantizedWeight
 from jinfer.tokenizer import Tokenizer
 
 
@@ -55,9 +57,15 @@ def path_name(path) -> str:
 
 
 def assemble_params(
-    cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, source: str = "checkpoint"
+    cfg: ModelConfig,
+    arrays: dict[str, np.ndarray | HostBlocks],
+    dtype=jnp.float32,
+    source: str = "checkpoint",
+    quantization: str = "auto",
 ) -> Params:
-    """Check named arrays against the declaration and place them on the device as `dtype`."""
+    """Check named arrays against the declaration and place them on the device: float values as
+    `dtype` (matrices quantized to int8 when `quantization` is "int8"), quantized blocks as they
+    are (dequantized when it is "none")."""
     expected = param_paths(cfg)
     missing = sorted(set(expected) - set(arrays))
     if missing:
@@ -74,8 +82,18 @@ def assemble_params(
             )
     specs = param_specs(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-    leaves = [jnp.asarray(np.asarray(arrays[path_name(p)]), dtype=dtype) for p, _ in flat]
+    leaves = [placed(arrays[path_name(p)], spec, dtype, quantization) for p, spec in flat]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def placed(array, spec, dtype, quantization: str):
+    """One loaded weight (declared by `spec`) on the device, as `quantization` asks."""
+    if isinstance(array, HostBlocks):
+        weight = QuantizedWeight.from_host(array)
+        return quantized.dequantize(weight, dtype) if quantization == "none" else weight
+    if quantization == "int8" and quantized.int8_quantizable(array.shape, spec.input_dims):
+        return QuantizedWeight.from_host(quantized.quantize_int8(np.asarray(array), spec.input_dims))
+    return jnp.asarray(np.asarray(array), dtype=dtype)
 
 
 def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer | None, source: str) -> None:

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jinfer.config import ModelConfig
 from jinfer.kernels import cpu_matmul
 from jinfer.kv_cache import KVCache, write_kv
+from jinfer.models import quantized
 from jinfer.models.attention import BACKENDS, Backend, TokenGroup, attention, full_precision
 from jinfer.models.params import (
     LayerParams,
@@ -95,10 +96,15 @@ def _packed_product(w: jax.Array | PackedWeight, x: jax.Array, out_dims: tuple[i
     return cpu_matmul.matmul(w.packed, x, math.prod(out_dims)).reshape(*out_dims, x.shape[1])
 
 
-def project(w: jax.Array | PackedWeight, x: jax.Array, input_dims: int = 1) -> jax.Array:
+Weight = jax.Array | PackedWeight | quantized.QuantizedWeight
+
+
+def project(w: Weight, x: jax.Array, input_dims: int = 1) -> jax.Array:
     """w [out..., in...] (its last `input_dims` dims contracted) applied to columns x [in, N] ->
     [out..., N]: one matrix product (XLA merges the leading output dims, which are contiguous), with
     no reshape that would cross a sharded axis."""
+    if quantized.is_quantized(w):
+        return quantized.project(w, x, w.shape[:-input_dims]).astype(x.dtype)
     out_dims = matrix(w).shape[:-input_dims]
     packed = _packed_product(w, x, out_dims)
     if packed is not None:
@@ -227,7 +233,10 @@ def forward_groups(
         for g in groups
     ]
     ids = jnp.concatenate([g.tokens.reshape(-1) for g in groups])
-    x = matrix(params.embed)[ids].T  # [D, N] columns
+    if quantized.is_quantized(params.embed):
+        x = quantized.take_rows(params.embed, ids).T  # [D, N] columns
+    else:
+        x = matrix(params.embed)[ids].T
     cos, sin = rope_cos_sin(jnp.concatenate([g.positions.reshape(-1) for g in groups]), cfg)
     new_layers = []
     for i, layer in enumerate(params.layers):
@@ -257,6 +266,9 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
     """
     weight = params.embed if params.lm_head is None else params.lm_head
     columns = hidden.reshape(-1, hidden.shape[-1]).T
+    if quantized.is_quantized(weight):
+        out = quantized.project(weight, columns.astype(jnp.float32), (weight.shape[0],))
+        return out.T.reshape(*hidden.shape[:-1], weight.shape[0])
     vocab = matrix(weight).shape[0]
     out = _packed_product(weight, columns, (vocab,))
     if out is None:

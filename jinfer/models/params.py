@@ -24,11 +24,14 @@ from jinfer.kernels import cpu_matmul
 
 
 class ParamSpec(NamedTuple):
-    """Declaration of one weight: its shape and a logical axis name per dimension."""
+    """Declaration of one weight: its shape, a logical axis name per dimension, and for a matrix how
+    many trailing dims a product contracts (0: not a matrix). What a product reads can be held in
+    another storage format (a packed copy, quantized blocks: `models.quantized`); these decide which."""
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     init: str  # "ones" for norm scales, "normal" for matrices, "zeros" for biases
+    input_dims: int = 0
 
 
 @struct.dataclass
@@ -61,21 +64,21 @@ def param_specs(cfg: ModelConfig) -> Params:
     def layer() -> LayerParams:
         return LayerParams(
             attn_norm=norm(),
-            wqkv=ParamSpec((k, g + 2, h, d), ("kv_heads", None, "head_dim", "embed"), "normal"),
-            wo=ParamSpec((d, n, h), ("embed", "heads", "head_dim"), "normal"),
+            wqkv=ParamSpec((k, g + 2, h, d), ("kv_heads", None, "head_dim", "embed"), "normal", 1),
+            wo=ParamSpec((d, n, h), ("embed", "heads", "head_dim"), "normal", 2),
             mlp_norm=norm(),
-            w_gate_up=ParamSpec((2, f, d), (None, "mlp", "embed"), "normal"),
-            w_down=ParamSpec((d, f), ("embed", "mlp"), "normal"),
+            w_gate_up=ParamSpec((2, f, d), (None, "mlp", "embed"), "normal", 1),
+            w_down=ParamSpec((d, f), ("embed", "mlp"), "normal", 1),
             bqkv=ParamSpec((k, g + 2, h), ("kv_heads", None, "head_dim"), "zeros") if cfg.qkv_bias else None,
             q_norm=ParamSpec((h,), ("head_dim",), "ones") if cfg.qk_norm else None,
             k_norm=ParamSpec((h,), ("head_dim",), "ones") if cfg.qk_norm else None,
         )
 
     return Params(
-        embed=ParamSpec((v, d), ("vocab", "embed"), "normal"),
+        embed=ParamSpec((v, d), ("vocab", "embed"), "normal", int(cfg.tie_word_embeddings)),
         layers=tuple(layer() for _ in range(cfg.num_layers)),
         final_norm=norm(),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), ("vocab", "embed"), "normal"),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), ("vocab", "embed"), "normal", 1),
     )
 
 
@@ -126,25 +129,17 @@ class PackedWeight:
     packed: jax.Array  # [ceil(out / R), in, R] (R = cpu_matmul.block_rows()), out and in flattened
 
 
-def pack_weights(params: Params) -> Params:
-    """`params` with every matrix a decode step multiplies as a `PackedWeight` (an untied input
-    embedding is only gathered from: it stays as it is). Costs one more copy of those matrices."""
+def pack_weights(params: Params, cfg: ModelConfig) -> Params:
+    """`params` with every matrix a product reads (the declaration's `input_dims`) as a
+    `PackedWeight`; quantized weights are already in their kernel's layout and stay as they are.
+    Costs one more copy of those matrices."""
 
-    def packed(w: jax.Array, input_dims: int = 1) -> PackedWeight:
-        return PackedWeight(w, cpu_matmul.pack(w.reshape(math.prod(w.shape[:-input_dims]), -1)))
+    def pack(spec: ParamSpec, w):
+        if not spec.input_dims or not isinstance(w, jax.Array):
+            return w
+        return PackedWeight(w, cpu_matmul.pack(w.reshape(math.prod(w.shape[: -spec.input_dims]), -1)))
 
-    layers = tuple(
-        layer.replace(
-            wqkv=packed(layer.wqkv),
-            wo=packed(layer.wo, input_dims=2),
-            w_gate_up=packed(layer.w_gate_up),
-            w_down=packed(layer.w_down),
-        )
-        for layer in params.layers
-    )
-    if params.lm_head is None:
-        return params.replace(embed=packed(params.embed), layers=layers)
-    return params.replace(layers=layers, lm_head=packed(params.lm_head))
+    return jax.tree.map(pack, param_specs(cfg), params, is_leaf=is_spec)
 
 
 def unpacked(params: Params) -> Params:

@@ -1,0 +1,51 @@
+"""The CPU quantized matmul kernel (`cpu_quant_matmul.cc`): a few columns times a weight matrix
+held as Q8_0 / Q4_0 / Q4_1 blocks, dequantized in registers.
+
+The blocks' layout (R rows side by side per group of 32 inputs, R = `block_rows()`) is made by
+`jinfer.models.quantized`, which also owns the formats; this module only calls the kernel.
+`available()` builds and registers it (see `jinfer.kernels`); if it cannot, it says why in a
+warning, and quantized weights are multiplied by XLA's dot on their dequantized values instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinfer.kernels import register_cpu_kernel
+
+log = logging.getLogger(__name__)
+
+TARGET = "jinfer_cpu_quant_matmul"
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's `format` attribute
+
+
+@functools.cache
+def _library():
+    unavailable = "CPU quantized matmul kernel unavailable, quantized weights are multiplied by XLA's dot"
+    return register_cpu_kernel("cpu_quant_matmul", "JinferCpuQuantMatmul", TARGET, log, unavailable)
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it the first time)."""
+    return _library() is not None
+
+
+@functools.cache
+def block_rows() -> int:
+    """Rows side by side in a group of blocks, as the built kernel reads them (8, or 16 with
+    AVX-512); 8 where the kernel is not built."""
+    return _library().JinferCpuQuantMatmulBlockRows() if available() else 8
+
+
+def matmul(blocks: jax.Array, x: jax.Array, format: str, rows: int) -> jax.Array:
+    """The first `rows` rows of the matrix held in `blocks` [ceil(M / R), K / 32, group bytes]
+    (uint8) times columns x [K, N] (float32) -> [rows, N]."""
+    out_rows = blocks.shape[0] * block_rows()
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((out_rows, x.shape[1]), jnp.float32))
+    out = call(blocks, x.astype(jnp.float32), format=np.int32(FORMAT_CODES[format]))
+    return out if rows == out_rows else out[:rows]

@@ -1,0 +1,219 @@
+"""Quantized weights: the blocks' layout, the CPU kernel against the dequantized values it holds,
+and GGUF models (the embedded SmolLM2 Q4_1 among them) served from their quantized tensors."""
+
+import logging
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import write_gguf
+
+from jinfer import LLM, SamplingParams
+from jinfer.config import EngineConfig
+from jinfer.engine import Engine
+from jinfer.formats.gguf import load_gguf
+from jinfer.kernels import cpu_quant_matmul
+from jinfer.models import llama, quantized
+from jinfer.models.quantized import FORMATS, HostBlocks, QuantizedWeight
+
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+GGML["q4_1"] = gguf.GGMLQuantizationType.Q4_1
+
+
+def random_blocks(format: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Rows of ggml blocks with random integers and finite random scales (and offsets)."""
+    fmt = FORMATS[format]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 32, fmt.block_bytes), dtype=np.uint8)
+    halves = rng.uniform(-0.05, 0.05, (rows, cols // 32, fmt.header_bytes // 2)).astype(np.float16)
+    raw[..., : fmt.header_bytes] = halves.view(np.uint8).reshape(rows, cols // 32, -1)
+    return raw.reshape(rows, -1)
+
+
+def weight(format: str, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
+    """A QuantizedWeight and gguf's own dequantization of the same blocks."""
+    raw = random_blocks(format, rows, cols, seed)
+    reference = gguf.quants.dequantize(raw, GGML[format]).reshape(rows, cols)
+    return QuantizedWeight.from_host(HostBlocks(FORMATS[format], raw, (rows, cols))), reference
+
+
+@pytest.mark.parametrize("format", sorted(FORMATS))
+def test_blocks_hold_exactly_what_ggml_dequantizes_to(format):
+    """Regrouped for the kernel (37 rows: a partial block of rows), the bits still dequantize to
+    gguf's values, and embedding rows gathered from them too; regrouped back, they are the rows
+    of ggml blocks they were."""
+    w, reference = weight(format, 37, 96)
+    np.testing.assert_array_equal(w.to_host().data, random_blocks(format, 37, 96))
+    np.testing.assert_array_equal(np.asarray(quantized.dequantize(w)), reference)
+    ids = jnp.array([0, 36, 8, 9, 17])
+    np.testing.assert_array_equal(np.asarray(quantized.take_rows(w, ids)), reference[np.asarray(ids)])
+    fmt = FORMATS[format]
+    assert w.blocks.dtype == jnp.uint8 and w.blocks.shape[1:] == (3, quantized.block_rows() * fmt.block_bytes)
+
+
+@pytest.mark.parametrize("format", sorted(FORMATS))
+@pytest.mark.parametrize("columns", [1, 2, 3, 5, 8, 9, 16, 17, 32, 33])
+def test_kernel_products_equal_the_dequantized_product(format, columns):
+    """Every column count the kernel tiles differently (and past MAX_COLUMNS, the dequantized dot)
+    gives the float64 product of the dequantized matrix to float32 rounding."""
+    assert cpu_quant_matmul.available()
+    w, reference = weight(format, 45, 160, seed=columns)
+    x = np.random.default_rng(columns).standard_normal((160, columns)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x: quantized.project(w, x, (45,)))(x))
+    want = reference.astype(np.float64) @ x.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_rows_stack_and_permute_as_float_rows_do():
+    """The loaders' row operations on quantized weights (reshape of the output dims, [None],
+    stacking along an output axis) move the same rows as on the float values."""
+    _, q_values = weight("q4_1", 2 * 3 * 8, 64, seed=1)
+    _, k_values = weight("q4_1", 2 * 1 * 8, 64, seed=2)
+
+    def host(format, rows, seed):
+        return HostBlocks(FORMATS[format], random_blocks(format, rows, 64, seed), (rows, 64))
+
+    stacked = quantized.concatenate(
+        [host("q4_1", 48, 1).reshape(2, 3, 8, 64), host("q4_1", 16, 2).reshape(2, 1, 8, 64)], axis=1
+    )
+    assert stacked.shape == (2, 4, 8, 64)
+    want = np.concatenate([q_values.reshape(2, 3, 8, 64), k_values.reshape(2, 1, 8, 64)], axis=1)
+    got = quantized.dequantize(QuantizedWeight.from_host(stacked))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert host("q8_0", 8, 3)[None].shape == (1, 8, 64)
+    with pytest.raises(ValueError):
+        quantized.concatenate([stacked, stacked], axis=3)  # the input axis
+
+
+@pytest.fixture(scope="module")
+def tiny_q41(tiny_model, tmp_path_factory):
+    directory, model = tiny_model("llama_gqa_untied")
+    path = str(tmp_path_factory.mktemp("q41") / "tiny-Q4_1.gguf")
+    write_gguf(model, directory, path, "Q4_1")
+    return path
+
+
+def test_gguf_matrices_load_as_their_blocks(tiny_q41):
+    """Q4_1 matrices stay as blocks (no float copy); dequantized they are what the dequantizing
+    loader gives; the model's logits through the kernel are the float path's on those values."""
+    kept, plain = load_gguf(tiny_q41), load_gguf(tiny_q41, quantization="none")
+    layer = kept.params.layers[0]
+    assert all(quantized.is_quantized(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    assert quantized.is_quantized(kept.params.lm_head) and quantized.is_quantized(kept.params.embed)
+    assert not quantized.is_quantized(layer.attn_norm)
+    as_values = quantized.dequantized(kept.params)
+    for got, want in zip(jax.tree.leaves(as_values), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    ids = np.random.default_rng(3).integers(0, kept.config.vocab_size, (1, 20))
+    positions = np.arange(20)[None]
+
+    def logits(params):
+        hidden, _ = llama.forward(params, ids, positions, kept.config)
+        return np.asarray(llama.logits(params, hidden[:, -3:]))  # few columns: the kernel
+
+    want = logits(plain.params)
+    np.testing.assert_allclose(logits(kept.params), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_engine_keeps_blocks_unless_asked_not_to(tiny_q41, caplog):
+    kept = Engine(load_gguf(tiny_q41), EngineConfig(max_slots=2, max_seq_len=64))
+    assert quantized.is_quantized(kept.params.layers[0].w_down)
+    with caplog.at_level(logging.INFO, logger="jinfer.engine"):
+        plain = Engine(load_gguf(tiny_q41), EngineConfig(max_slots=2, max_seq_len=64, quantization="none"))
+    assert not quantized.formats_held(plain.params)
+    assert "dequantized to float32: quantization=none" in caplog.text
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_greedy_and_memory_match_the_dequantized_model(smollm2_path):
+    """The embedded Q4_1 file served from its blocks: greedy continuations identical to the
+    dequantized model for 32 tokens, in a crowd too; its weights held within 1.3x the file's
+    tensor bytes (4.5-8.5 bits a weight, not 32)."""
+    from jinfer.formats.gguf import read_gguf
+
+    options = dict(max_slots=4, max_seq_len=256)
+    kept, plain = LLM(**options), LLM(quantization="none", **options)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = ["Once upon a time, there was a little", "The three primary colors are", "def fib(n):"]
+    for prompt in prompts:
+        want = plain.generate([prompt], greedy)[0].token_ids
+        assert kept.generate([prompt], greedy)[0].token_ids == want
+    crowd = kept.generate(prompts, greedy)
+    assert [c.token_ids for c in crowd] == [c.token_ids for c in plain.generate(prompts, greedy)]
+    file_bytes = sum(t.n_bytes for t in read_gguf(smollm2_path).tensors)
+    held = sum(a.nbytes for a in jax.tree.leaves(kept.engine.params))
+    assert held <= 1.3 * file_bytes, (held, file_bytes)
+    assert quantized.formats_held(kept.engine.params) == {"q4_1": 120, "q8_0": 1}
+
+
+# A fixed text for perplexity (written for these tests).
+TEXT = (
+    "The lighthouse keeper woke before dawn, as he had every morning for thirty years. He climbed "
+    "the spiral stairs, counted the hundred and twelve steps out of habit, and wiped the salt from "
+    "the great lens with a soft cloth. Below him the harbour was still dark, but the fishing boats "
+    "were already moving, their small lamps swinging over the water like fireflies. He made tea on "
+    "the little stove, wrote the weather in his notebook - wind from the north-west, a light swell, "
+    "clouds thinning in the east - and watched the first gulls circle the rocks. In the afternoon "
+    "the supply boat brought flour, lamp oil and a letter from his daughter, who lived in the city "
+    "and worked as an engineer on bridges. She wrote that she would visit in the summer and bring "
+    "her two children, who had never seen the sea. He read the letter twice, folded it carefully "
+    "and put it in the drawer with the others. Then he went back up the stairs to light the lamp."
+)
+
+
+def perplexity(params, cfg, ids: np.ndarray) -> float:
+    tokens = jnp.asarray(ids)[None]
+    hidden, _ = llama.forward(params, tokens, jnp.arange(len(ids))[None], cfg)
+    logp = jax.nn.log_softmax(llama.logits(params, hidden)[0, :-1], axis=-1)
+    return float(np.exp(-np.mean(np.take_along_axis(np.asarray(logp), ids[1:, None], axis=1))))
+
+
+@pytest.mark.slow
+def test_perplexity_int8_and_q4_1_against_float32(smollm2_path):
+    """On a fixed text: the Q4_1 file's blocks give the perplexity of its dequantized values; int8
+    (per output channel, of those float values) stays within 0.5% of them."""
+    from jinfer.formats.params import placed
+    from jinfer.loading import load_model
+    from jinfer.models.params import is_spec, param_specs
+
+    kept, plain = load_model(smollm2_path), load_model(smollm2_path, quantization="none")
+    ids = np.asarray(plain.tokenizer.encode(TEXT), np.int32)
+    as_int8 = lambda spec, w: placed(np.asarray(w), spec, jnp.float32, "int8")
+    int8 = jax.tree.map(as_int8, param_specs(plain.config), plain.params, is_leaf=is_spec)
+    assert quantized.formats_held(int8) == {"q8_0": 121}
+    float32 = perplexity(plain.params, plain.config, ids)
+    assert perplexity(kept.params, kept.config, ids) == pytest.approx(float32, rel=1e-4)
+    assert perplexity(int8, plain.config, ids) == pytest.approx(float32, rel=5e-3)
+    assert 1 < float32 < 100  # the model reads the text as text
+
+
+def test_int8_for_a_float_model_and_its_checkpoint(tiny_model, tmp_path):
+    """A Hugging Face model quantized to int8 at load decodes from its blocks; `jinfer convert
+    --quantization int8` writes those blocks to a checkpoint that serves the same tokens (on this
+    CPU or one with another kernel width: blocks are stored as ggml rows)."""
+    import subprocess
+    import sys
+
+    directory, _ = tiny_model("llama_gqa_untied")
+    llm = LLM(directory, quantization="int8", max_slots=2, max_seq_len=64)
+    # every layer matrix and the (untied) output projection; the input embedding is only gathered
+    assert quantized.formats_held(llm.engine.params) == {"q8_0": 4 * llm.config.num_layers + 1}
+    dst = str(tmp_path / "int8")
+    command = [sys.executable, "-m", "jinfer.cli", "convert", directory, dst, "--quantization", "int8"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    restored = LLM(dst, max_slots=2, max_seq_len=64)
+    assert quantized.formats_held(restored.engine.params) == quantized.formats_held(llm.engine.params)
+    for got, want in zip(
+        jax.tree.leaves(restored.engine.params), jax.tree.leaves(llm.engine.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = llm.generate(["Once upon a time"], greedy)[0].token_ids
+    assert restored.generate(["Once upon a time"], greedy)[0].token_ids == want
+    plain = LLM(dst, quantization="none", max_slots=2, max_seq_len=64)
+    assert not quantized.formats_held(plain.engine.params)
