@@ -217,3 +217,52 @@ def test_int8_for_a_float_model_and_its_checkpoint(tiny_model, tmp_path):
     assert restored.generate(["Once upon a time"], greedy)[0].token_ids == want
     plain = LLM(dst, quantization="none", max_slots=2, max_seq_len=64)
     assert not quantized.formats_held(plain.engine.params)
+
+
+def _in_fresh_process(script: str, env: dict) -> str:
+    """Run `script` in a new Python (a process registers one build of each kernel)."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(__file__),
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="-mno-avx512f is an x86 flag")
+def test_the_8_row_build_for_cpus_without_avx512_gives_the_same_products():
+    script = (
+        "import test_quantized as t; from jinfer.kernels import cpu_quant_matmul as k\n"
+        "assert k.block_rows() == 8, k.block_rows()\n"
+        "for f in sorted(t.FORMATS):\n"
+        "    for n in (1, 3, 8, 17): t.test_kernel_products_equal_the_dequantized_product(f, n)\n"
+        "    t.test_blocks_hold_exactly_what_ggml_dequantizes_to(f)\n"
+        "print('checked')"
+    )
+    assert "checked" in _in_fresh_process(script, {"JINFER_KERNEL_CXXFLAGS": "-mno-avx512f"})
+
+
+def test_without_the_kernel_quantized_weights_are_dequantized(tiny_q41, tmp_path):
+    """A kernel that cannot be built (no compiler) leaves an engine that dequantizes the blocks at
+    load, says why, and generates what the dequantizing loader's engine generates."""
+    script = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from jinfer import LLM, SamplingParams; from jinfer.models import quantized\n"
+        f"greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+        f"llm = LLM({tiny_q41!r}, max_slots=2, max_seq_len=64)\n"
+        "assert not quantized.formats_held(llm.engine.params)\n"
+        "print('tokens', llm.generate(['Once upon a time'], greedy)[0].token_ids)"
+    )
+    out = _in_fresh_process(script, {"JINFER_CACHE_DIR": str(tmp_path), "CXX": "/bin/false"})
+    assert "quantized weights dequantized to float32: jinfer multiplies quantized weights on one CPU" in out
+    plain = LLM(tiny_q41, quantization="none", max_slots=2, max_seq_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert f"tokens {plain.generate(['Once upon a time'], greedy)[0].token_ids}" in out
