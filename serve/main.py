@@ -86,6 +86,15 @@ def api_keys(server: ServerConfig) -> tuple[str, ...]:
     return (key,) if key else ()
 
 
+def peak_resident_bytes() -> float:
+    """This process's peak resident memory (Linux's VmHWM; NaN where there is none)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        return float("nan")
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket, so that a port in use is an error before anything is loaded."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -174,12 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = served_name(server, model_path)
     log.info(
-        "model %s (%s, %d layers) loaded in %.1f s as '%s'; sampling defaults %s",
+        "model %s (%s, %d layers) loaded in %.1f s as '%s' (peak resident memory %.0f MiB); "
+        "sampling defaults %s",
         model_path,
         loaded.config.architecture,
         loaded.config.num_layers,
         time.perf_counter() - start,
         name,
+        peak_resident_bytes() / 2**20,
         engine.preparer.sampling(None),
     )
     app, api = build_app(engine, server, name, keys)

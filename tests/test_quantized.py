@@ -2,6 +2,10 @@
 and GGUF models (the embedded SmolLM2 Q4_1 among them) served from their quantized tensors."""
 
 import logging
+import os
+import platform
+import subprocess
+import sys
 
 import gguf
 import jax
@@ -195,9 +199,6 @@ def test_int8_for_a_float_model_and_its_checkpoint(tiny_model, tmp_path):
     """A Hugging Face model quantized to int8 at load decodes from its blocks; `jinfer convert
     --quantization int8` writes those blocks to a checkpoint that serves the same tokens (on this
     CPU or one with another kernel width: blocks are stored as ggml rows)."""
-    import subprocess
-    import sys
-
     directory, _ = tiny_model("llama_gqa_untied")
     llm = LLM(directory, quantization="int8", max_slots=2, max_seq_len=64)
     # every layer matrix and the (untied) output projection; the input embedding is only gathered
@@ -221,10 +222,6 @@ def test_int8_for_a_float_model_and_its_checkpoint(tiny_model, tmp_path):
 
 def _in_fresh_process(script: str, env: dict) -> str:
     """Run `script` in a new Python (a process registers one build of each kernel)."""
-    import os
-    import subprocess
-    import sys
-
     run = subprocess.run(
         [sys.executable, "-c", script],
         cwd=os.path.dirname(__file__),
@@ -237,7 +234,7 @@ def _in_fresh_process(script: str, env: dict) -> str:
     return run.stdout
 
 
-@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="-mno-avx512f is an x86 flag")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx512f is an x86 flag")
 def test_the_8_row_build_for_cpus_without_avx512_gives_the_same_products():
     script = (
         "import test_quantized as t; from jinfer.kernels import cpu_quant_matmul as k\n"
@@ -266,3 +263,21 @@ def test_without_the_kernel_quantized_weights_are_dequantized(tiny_q41, tmp_path
     plain = LLM(tiny_q41, quantization="none", max_slots=2, max_seq_len=64)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert f"tokens {plain.generate(['Once upon a time'], greedy)[0].token_ids}" in out
+
+
+def test_loading_quantized_blocks_makes_no_float_copies(smollm2_path):
+    """The embedded file loaded as its blocks peaks far below the same file dequantized (538 MB of
+    float32): no float copy of a quantized tensor is made on the way."""
+    script = (  # VmHWM: this process's peak (ru_maxrss would carry over pytest's across exec)
+        "import sys; from jinfer.loading import load_model\n"
+        f"loaded = load_model({smollm2_path!r}, quantization=sys.argv[1])\n"
+        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))"
+    )
+    peak = {}
+    for quantization in ("auto", "none"):
+        run = subprocess.run(
+            [sys.executable, "-c", script, quantization], capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        peak[quantization] = int(run.stdout.split()[-1]) * 1024
+    assert peak["none"] - peak["auto"] > 400e6, peak
