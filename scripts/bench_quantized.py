@@ -6,13 +6,16 @@ ratios mean much):
   * batch-1 greedy decode tokens/s on the embedded SmolLM2-135M Q4_1 GGUF (Q4_1 layers, a Q8_0
     embedding): jinfer (`quantization` auto: its quantized kernel), jinfer on the same file
     dequantized to float32 (`quantization=none`), and llama.cpp (llama-cpp-python);
-  * the same on a Q8_0 GGUF written by llama.cpp's own quantizer from its F32 conversion;
+  * the same on a Q8_0 GGUF written by llama.cpp's own quantizer from its F32 conversion, and on a
+    Q4_K_M GGUF (Q4_K and Q6_K blocks) of a random-weight Llama-shaped model of 230M weights whose
+    widths are whole 256-input blocks (SmolLM2's 576 are not: llama.cpp's Q4_K_M of it falls back
+    to other types);
   * 8 sequences decoding at once: jinfer's 8 slots against llama.cpp decoding 8 sequences in one
     `llama_decode` batch per step (its low-level API, greedy on each sequence's logits);
   * MBU: the bytes a step reads (the quantized blocks as held, plus K/V) / step time / the memory
     bandwidth measured in the same run; and the compiles during the measured rounds (must be 0).
 
-    python scripts/bench_quantized.py [--rounds 5] [--tokens 64] [--out results]
+    python scripts/bench_quantized.py [--rounds 5] [--tokens 64] [--files q4_1,q8_0,q4_k_m] [--out results]
 
 llama.cpp: `pip install llama-cpp-python==0.3.36` (compiles it, ~10 minutes on 2 cores); without
 it only jinfer's figures are printed. Writes results/bench_quantized.{json,md}.
@@ -39,6 +42,7 @@ from benchlib import (
     measure_ceiling,
     paired_ratio,
     progress,
+    random_llama_dir,
     write_results,
 )
 
@@ -139,18 +143,19 @@ def _batch_worker(conn, path: str, prompt_ids: list[int], context: int) -> None:
         conn.send(generate(tokens))
 
 
-def q8_0_gguf(directory: str) -> str | None:
-    """The embedded model as a Q8_0 GGUF: dequantized to a Hugging Face directory, converted to F32
-    by llama.cpp's converter, quantized by llama.cpp's own quantizer."""
+def quantized_gguf(hf_dir: str, directory: str, name: str) -> str | None:
+    """A Hugging Face model as a GGUF of llama.cpp's type `name` (Q8_0, Q4_K_M): converted to F32 by
+    llama.cpp's converter, quantized by llama.cpp's own quantizer."""
     import llama_cpp as cpp
 
-    hf_dir = export_hf_from_gguf(default_model_path(), os.path.join(directory, "hf"))
-    f32 = llama_cpp_f32_gguf(hf_dir, os.path.join(directory, "f32.gguf"), directory)
-    out = os.path.join(directory, "q8_0.gguf")
+    f32 = os.path.join(directory, os.path.basename(hf_dir) + "-f32.gguf")
+    if not os.path.exists(f32):
+        llama_cpp_f32_gguf(hf_dir, f32, directory)
+    out = os.path.join(directory, f"{os.path.basename(hf_dir)}-{name}.gguf")
     params = cpp.llama_model_quantize_default_params()
-    params.ftype = cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.ftype = getattr(cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
     if cpp.llama_model_quantize(f32.encode(), out.encode(), params) != 0:
-        progress("llama.cpp's quantizer failed: no Q8_0 figures")
+        progress(f"llama.cpp's quantizer failed: no {name} figures")
         return None
     return out
 
@@ -236,6 +241,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--files", default="q4_1,q8_0,q4_k_m", help="which of q4_1, q8_0, q4_k_m")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     ceiling = measure_ceiling()
@@ -243,11 +249,19 @@ def main() -> int:
     cpp = llama_cpp_available()
     if not cpp:
         progress("llama-cpp-python is not installed: jinfer's figures only")
-    files = [bench_file("SmolLM2 Q4_1 (embedded)", default_model_path(), args, bandwidth, cpp)]
+    wanted = args.files.split(",")
+    files = []
+    if "q4_1" in wanted:
+        files.append(bench_file("SmolLM2 Q4_1 (embedded)", default_model_path(), args, bandwidth, cpp))
     with tempfile.TemporaryDirectory() as scratch:
-        q8 = q8_0_gguf(scratch) if cpp else None
-        if q8:
-            files.append(bench_file("SmolLM2 Q8_0 (llama.cpp's quantizer)", q8, args, bandwidth, cpp))
+        smollm2 = export_hf_from_gguf(default_model_path(), os.path.join(scratch, "smollm2"))
+        if cpp and "q8_0" in wanted and (path := quantized_gguf(smollm2, scratch, "Q8_0")):
+            files.append(bench_file("SmolLM2 Q8_0 (llama.cpp's quantizer)", path, args, bandwidth, cpp))
+        if cpp and "q4_k_m" in wanted:
+            llama = random_llama_dir(os.path.join(scratch, "random-llama"), smollm2)
+            if path := quantized_gguf(llama, scratch, "Q4_K_M"):
+                label = "random Llama 230M Q4_K_M (llama.cpp's quantizer)"
+                files.append(bench_file(label, path, args, bandwidth, cpp))
     result = {"ceiling": ceiling, "rounds": args.rounds, "tokens": args.tokens, "files": files}
     table = report(result)
     write_results(args.out, "bench_quantized", result, table)

@@ -22,39 +22,54 @@ from jinfer.kernels import cpu_quant_matmul
 from jinfer.models import llama, quantized
 from jinfer.models.quantized import FORMATS, HostBlocks, QuantizedWeight
 
-GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
-GGML["q4_1"] = gguf.GGMLQuantizationType.Q4_1
+GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in FORMATS}
+# Where ggml's blocks keep their float16 scales (and offsets): random bytes there could be NaN.
+SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
 
 
 def random_blocks(format: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Rows of ggml blocks with random integers and finite random scales (and offsets)."""
-    fmt = FORMATS[format]
+    """Rows of ggml blocks: random integers (and K-quant sub-block scales), finite random float16
+    scales."""
+    values, size = gguf.GGML_QUANT_SIZES[GGML[format]]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // 32, fmt.block_bytes), dtype=np.uint8)
-    halves = rng.uniform(-0.05, 0.05, (rows, cols // 32, fmt.header_bytes // 2)).astype(np.float16)
-    raw[..., : fmt.header_bytes] = halves.view(np.uint8).reshape(rows, cols // 32, -1)
+    raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[format]:
+        halves = rng.uniform(-0.05, 0.05, (rows, cols // values)).astype(np.float16)
+        raw[..., offset : offset + 2] = halves.view(np.uint8).reshape(rows, cols // values, 2)
     return raw.reshape(rows, -1)
+
+
+def width(format: str, groups: int) -> int:
+    return groups * FORMATS[format].group
 
 
 def weight(format: str, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
     """A QuantizedWeight and gguf's own dequantization of the same blocks."""
     raw = random_blocks(format, rows, cols, seed)
     reference = gguf.quants.dequantize(raw, GGML[format]).reshape(rows, cols)
-    return QuantizedWeight.from_host(HostBlocks(FORMATS[format], raw, (rows, cols))), reference
+    records = quantized.records_from_ggml(FORMATS[format], raw)
+    return QuantizedWeight.from_host(HostBlocks(FORMATS[format], records, (rows, cols))), reference
 
 
 @pytest.mark.parametrize("format", sorted(FORMATS))
 def test_blocks_hold_exactly_what_ggml_dequantizes_to(format):
-    """Regrouped for the kernel (37 rows: a partial block of rows), the bits still dequantize to
+    """Regrouped for the kernel (37 rows: a partial block of rows), the blocks dequantize to
     gguf's values, and embedding rows gathered from them too; regrouped back, they are the rows
-    of ggml blocks they were."""
-    w, reference = weight(format, 37, 96)
-    np.testing.assert_array_equal(w.to_host().data, random_blocks(format, 37, 96))
+    of records they were (Q8_0 / Q4_0 / Q4_1: ggml's bytes)."""
+    cols = width(format, 3)
+    w, reference = weight(format, 37, cols)
+    records = quantized.records_from_ggml(FORMATS[format], random_blocks(format, 37, cols))
+    np.testing.assert_array_equal(w.to_host().data, records)
+    if FORMATS[format].group == 32:
+        np.testing.assert_array_equal(records, random_blocks(format, 37, cols))
     np.testing.assert_array_equal(np.asarray(quantized.dequantize(w)), reference)
     ids = jnp.array([0, 36, 8, 9, 17])
     np.testing.assert_array_equal(np.asarray(quantized.take_rows(w, ids)), reference[np.asarray(ids)])
     fmt = FORMATS[format]
-    assert w.blocks.dtype == jnp.uint8 and w.blocks.shape[1:] == (3, quantized.block_rows() * fmt.block_bytes)
+    assert w.blocks.dtype == jnp.uint8 and w.blocks.shape[1:] == (
+        3,
+        quantized.block_rows() * fmt.record_bytes,
+    )
 
 
 @pytest.mark.parametrize("format", sorted(FORMATS))
@@ -63,8 +78,9 @@ def test_kernel_products_equal_the_dequantized_product(format, columns):
     """Every column count the kernel tiles differently (and past MAX_COLUMNS, the dequantized dot)
     gives the float64 product of the dequantized matrix to float32 rounding."""
     assert cpu_quant_matmul.available()
-    w, reference = weight(format, 45, 160, seed=columns)
-    x = np.random.default_rng(columns).standard_normal((160, columns)).astype(np.float32)
+    cols = width(format, 2)
+    w, reference = weight(format, 45, cols, seed=columns)
+    x = np.random.default_rng(columns).standard_normal((cols, columns)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x: quantized.project(w, x, (45,)))(x))
     want = reference.astype(np.float64) @ x.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
@@ -281,3 +297,36 @@ def test_loading_quantized_blocks_makes_no_float_copies(smollm2_path):
         assert run.returncode == 0, run.stderr[-2000:]
         peak[quantization] = int(run.stdout.split()[-1]) * 1024
     assert peak["none"] - peak["auto"] > 400e6, peak
+
+
+def test_k_quant_gguf_serves_from_its_blocks(tiny_model, tmp_path):
+    """A GGUF mixing Q4_K and Q6_K matrices as Q4_K_M files do (values, down projections and the
+    output in Q6_K: the stacked q/k/v then holds two formats; random blocks, since the gguf
+    package cannot quantize to K-quants) is served from its blocks, which hold exactly the
+    dequantizing loader's values, with the same greedy tokens as the model dequantized at load;
+    a checkpoint keeps the blocks as they are."""
+    from jinfer.formats.checkpoint import load_checkpoint, save_checkpoint
+
+    directory, model = tiny_model("llama_k_quant_widths")
+    path = str(tmp_path / "k.gguf")
+    q6_k = lambda name: name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "output.weight"
+    kinds = lambda name: "Q6_K" if q6_k(name) else "Q4_K"
+    rows_of = lambda w, qtype: random_blocks(qtype.name.lower(), w.shape[0], w.shape[1], seed=w.shape[0])
+    write_gguf(model, directory, path, kinds, quantize=rows_of)
+    kept, plain = load_gguf(path), load_gguf(path, quantization="none")
+    layers = kept.config.num_layers
+    assert quantized.formats_held(kept.params) == {"q4_k": 4 * layers + 1, "q6_k": 2 * layers + 1}
+    assert isinstance(kept.params.layers[0].wqkv, quantized.StackedWeight)
+    save_checkpoint(str(tmp_path / "ckpt"), kept)
+    restored = load_checkpoint(str(tmp_path / "ckpt"))
+    for loaded in (kept, restored):
+        as_values = quantized.dequantized(loaded.params)
+        for got, want in zip(jax.tree.leaves(as_values), jax.tree.leaves(plain.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def greedy_tokens(quantization: str) -> list[int]:
+        llm = LLM(path, quantization=quantization, max_slots=2, max_seq_len=64)
+        return llm.generate(["Once upon a time"], greedy)[0].token_ids
+
+    assert greedy_tokens("auto") == greedy_tokens("none")

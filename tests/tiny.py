@@ -64,6 +64,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "mistral_sliding": ("mistral", {"sliding_window": 8, "num_key_value_heads": 1}),
     "qwen2_bias_tied": ("qwen2", {"tie_word_embeddings": True}),
+    # widths of whole 256-input blocks, as GGUF's K-quants need
+    "llama_k_quant_widths": ("llama", {"hidden_size": 256, "intermediate_size": 512}),
     "qwen3_qknorm": ("qwen3", {"head_dim": 24, "num_key_value_heads": 2}),
     "smollm2_like": (
         "llama",
@@ -148,16 +150,19 @@ _HF_TO_GGUF = {
 }
 
 
-def write_gguf(model, tokenizer_dir: str, path: str, qtype_name: str = "F32") -> None:
+def write_gguf(model, tokenizer_dir: str, path: str, qtype_name="F32", quantize=None) -> None:
     """Write a llama-architecture transformers model + byte-level tokenizer as a GGUF file.
 
-    Matrices are stored as `qtype_name` (F32, F16, BF16, Q8_0, Q4_0, Q4_1); norms stay F32.
+    Matrices are stored as `qtype_name` (F32, F16, BF16, Q8_0, Q4_0, Q4_1; or a function of the
+    tensor's name giving one), quantized by `quantize(w, qtype)` (default: the gguf package's);
+    norms stay F32.
     """
     import gguf
 
     cfg = model.config
     assert cfg.model_type == "llama"
-    qtype = gguf.GGMLQuantizationType[qtype_name]
+    type_of = qtype_name if callable(qtype_name) else lambda name: qtype_name
+    quantize = quantize or gguf.quants.quantize
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -192,12 +197,13 @@ def write_gguf(model, tokenizer_dir: str, path: str, qtype_name: str = "F32") ->
 
     def add(name, w):
         w = np.ascontiguousarray(w, dtype=np.float32)
+        qtype = gguf.GGMLQuantizationType[type_of(name)]
         if w.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, w)
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, w.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
 
     add("token_embd.weight", state["model.embed_tokens.weight"])
     add("output_norm.weight", state["model.norm.weight"])

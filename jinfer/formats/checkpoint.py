@@ -17,7 +17,7 @@ from jinfer.formats.hf import maybe_tokenizer
 from jinfer.formats.params import CheckpointError, LoadedModel, check_vocab, path_name, placed
 from jinfer.models import quantized
 from jinfer.models.llama import Params, abstract_params, is_spec, param_specs
-from jinfer.models.quantized import FORMATS, HostBlocks
+from jinfer.models.quantized import FORMATS, HostBlocks, HostStack, QuantizedWeight, StackedWeight
 
 CHECKPOINT_MARKER = "jinfer_checkpoint.json"
 # The parameter layout a checkpoint holds. 2: stacked `wqkv` and `w_gate_up`; 3: weights may be
@@ -35,13 +35,17 @@ def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
     os.makedirs(directory, exist_ok=True)
     blocks = {}
 
+    def entry(w: QuantizedWeight) -> dict:
+        return {"format": w.format, "shape": list(w.shape), "stored": list(w.to_host().data.shape)}
+
     def stored(path, w):
-        if not quantized.is_quantized(w):
-            return w
-        host = w.to_host()
-        stored = list(host.data.shape)
-        blocks[path_name(path)] = {"format": w.format, "shape": list(w.shape), "stored": stored}
-        return host.data
+        if isinstance(w, StackedWeight):
+            blocks[path_name(path)] = {"parts": [entry(p) for p in w.parts], "axis": w.axis}
+            return tuple(p.to_host().data for p in w.parts)
+        if isinstance(w, QuantizedWeight):
+            blocks[path_name(path)] = entry(w)
+            return w.to_host().data
+        return w
 
     params = jax.tree_util.tree_map_with_path(stored, loaded.params, is_leaf=quantized.is_quantized)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -86,9 +90,10 @@ def load_checkpoint(
 
     def target_of(path, leaf):
         entry = blocks.get(path_name(path))
+        stored = lambda e: jax.ShapeDtypeStruct(tuple(e["stored"]), jnp.uint8, sharding=first)
         if entry is None:
             return leaf
-        return jax.ShapeDtypeStruct(tuple(entry["stored"]), jnp.uint8, sharding=first)
+        return tuple(stored(part) for part in entry["parts"]) if "parts" in entry else stored(entry)
 
     target = jax.tree_util.tree_map_with_path(target_of, abstract_params(cfg, dtype, shardings))
     try:
@@ -104,8 +109,11 @@ def load_checkpoint(
 
     def weight(path, spec, w):
         entry = blocks.get(path_name(path))
-        if entry is not None:
-            w = HostBlocks(FORMATS[entry["format"]], np.asarray(w), tuple(entry["shape"]))
+        host = lambda e, data: HostBlocks(FORMATS[e["format"]], np.asarray(data), tuple(e["shape"]))
+        if entry is not None and "parts" in entry:
+            w = HostStack([host(e, data) for e, data in zip(entry["parts"], w, strict=True)], entry["axis"])
+        elif entry is not None:
+            w = host(entry, w)
         elif quantization != "int8" or not quantized.int8_quantizable(w.shape, spec.input_dims):
             return w  # restored in place (and sharding) as it is
         return placed(w, spec, dtype, quantization)

@@ -21,7 +21,7 @@ from jinfer.config import ModelConfig, RopeConfig, UnsupportedModelError
 from jinfer.formats.gguf_reader import GGUFFile
 from jinfer.formats.hf import eos_ids, named_arrays
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
-from jinfer.models.quantized import FORMATS, HostBlocks
+from jinfer.models.quantized import FORMATS, HostBlocks, records_from_ggml
 from jinfer.tokenizer import HFBackend, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
 
 
 # ggml types kept as their blocks (`models.quantized`) when the loader is asked to.
-_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -170,7 +170,8 @@ def _weight(tensor, keep_quantized: bool, dequantized: set[str]) -> np.ndarray |
     kind = tensor.tensor_type.name
     if keep_quantized and kind in _KEPT and len(tensor.shape) == 2:
         shape = tuple(int(n) for n in reversed(tensor.shape))
-        return HostBlocks(FORMATS[_KEPT[kind]], np.asarray(tensor.data), shape)
+        fmt = FORMATS[_KEPT[kind]]
+        return HostBlocks(fmt, records_from_ggml(fmt, np.asarray(tensor.data)), shape)
     if kind not in ("F32", "F16"):
         dequantized.add(kind)
     return dequantize(tensor)
@@ -178,7 +179,7 @@ def _weight(tensor, keep_quantized: bool, dequantized: set[str]) -> np.ndarray |
 
 def load_gguf(path: str, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
     """A GGUF model. Unless `quantization` is "none", matrices of the types jinfer multiplies
-    quantized (Q8_0, Q4_0, Q4_1) stay as their blocks; any other quantized type is dequantized
+    quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay as their blocks; any other type is dequantized
     (logged); "int8" quantizes the float matrices (`assemble_params`)."""
     keep_quantized = quantization != "none"
     reader = read_gguf(path)

@@ -14,7 +14,7 @@ import numpy as np
 from jinfer.config import ModelConfig
 from jinfer.models import quantized
 from jinfer.models.llama import Params, is_spec, param_specs
-from jinfer.models.quantized import HostBlocks, QuantizedWeight
+from jinfer.models.quantized import HostBlocks, HostStack, QuantizedWeight, StackedWeight
 from jinfer.tokenizer import Tokenizer
 
 
@@ -58,7 +58,7 @@ def path_name(path) -> str:
 
 def assemble_params(
     cfg: ModelConfig,
-    arrays: dict[str, np.ndarray | HostBlocks],
+    arrays: dict[str, np.ndarray | HostBlocks | HostStack],
     dtype=jnp.float32,
     source: str = "checkpoint",
     quantization: str = "auto",
@@ -88,8 +88,8 @@ def assemble_params(
 
 def placed(array, spec, dtype, quantization: str):
     """One loaded weight (declared by `spec`) on the device, as `quantization` asks."""
-    if isinstance(array, HostBlocks):
-        weight = QuantizedWeight.from_host(array)
+    if isinstance(array, HostBlocks | HostStack):
+        weight = (QuantizedWeight if isinstance(array, HostBlocks) else StackedWeight).from_host(array)
         return quantized.dequantize(weight, dtype) if quantization == "none" else weight
     if quantization == "int8" and quantized.int8_quantizable(array.shape, spec.input_dims):
         return QuantizedWeight.from_host(quantized.quantize_int8(np.asarray(array), spec.input_dims))

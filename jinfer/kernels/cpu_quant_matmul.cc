@@ -1,19 +1,23 @@
 // y = W x for a few columns x, with W held as quantized blocks, for XLA:CPU.
 //
 // The weights of a quantized GGUF stay in memory as their blocks, so a decode step reads 4.5-8.5
-// bits per weight instead of 32. Each block of 32 inputs of one row has float16 scale d (and, for
-// Q4_1, a float16 offset m) and 32 small integers q: Q8_0 w = d q (q int8), Q4_0 w = d (q - 8),
-// Q4_1 w = d q + m (q 4 bits). The blocks are regrouped as the float kernel (cpu_matmul.cc) packs
-// its rows: R rows (one vector register of floats) side by side, so one load gives the R rows'
-// integers for one input index, and they are widened, scaled into float weights in registers and
-// multiplied by each column's x[k, c] into one running R-row sum per column. The bits are the
-// file's bits, only reordered; activations and sums stay float32.
+// bits per weight instead of 32. A block of one row has float16 scales and small integers q:
+//   Q8_0  32 inputs: d, q int8                                   w = d q
+//   Q4_0  32 inputs: d, q 4 bits                                 w = d (q - 8)
+//   Q4_1  32 inputs: d, m, q 4 bits                              w = d q + m
+//   Q4_K  256 inputs: d, dmin; per 32 sc, m (bytes), q 4 bits    w = d sc q - dmin m
+//   Q6_K  256 inputs: d; per 16 sc int8, q int8 (6 bits - 32)    w = d sc q
+// The blocks are regrouped as the float kernel (cpu_matmul.cc) packs its rows: R rows (one vector
+// register of floats) side by side, so one load gives the R rows' integers for one input index,
+// and they are widened, scaled into float weights in registers and multiplied by each column's
+// x[k, c] into one running R-row sum per column. Activations and sums stay float32.
 //
-// Operands: blocks uint8 [ceil(M / R), K / 32, group bytes], x float32 [K, N] (row-major);
-// attribute `format` (0 Q8_0, 1 Q4_0, 2 Q4_1). Result: y float32 [R ceil(M / R), N]. One group of
-// a block row (R rows x 32 inputs) is: R float16 scales, for Q4_1 R float16 offsets, then the
-// integers, input index-major: Q8_0 32 x R int8; Q4 16 x R bytes, byte j of a row holding input j
-// in its low nibble and input j + 16 in its high one (ggml's own order inside a block).
+// Operands: blocks uint8 [ceil(M / R), K / group, R x record bytes], x float32 [K, N]
+// (row-major); attribute `format` (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K). Result: y float32
+// [R ceil(M / R), N]. A group of a block row (R rows x `group` inputs) holds each field of the
+// records in turn (jinfer/models/quantized.py), R side by side: float16 scales first, then bytes,
+// integers input index-major. 4-bit integers: per 32 inputs, byte j of a row holds input j in its
+// low nibble and input j + 16 in its high one (ggml's order inside a Q4_0 / Q4_1 block).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -44,14 +48,14 @@ constexpr int kSumsInFlight = 8;  // independent sums that keep the FMA units bu
 constexpr int64_t kBlocksPerTask = 64 / kRows;
 constexpr int64_t kPrefetchBytes = 4096;  // read ahead toward L2, as the float kernel does
 
-enum Format : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+enum Format : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
 
 template <Format F>
-constexpr int kHeaderBytes = (F == kQ4_1 ? 4 : 2) * kRows;  // float16 scales (and offsets)
+constexpr int kInputs = F == kQ4_K || F == kQ6_K ? 256 : kGroup;  // inputs per group
+template <Format F>  // bytes of one row's record (models/quantized.py: FORMATS)
+constexpr int kRecordBytes = F == kQ8_0 ? 34 : F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : F == kQ4_K ? 148 : 274;
 template <Format F>
-constexpr int kIndices = F == kQ8_0 ? kGroup : kGroup / 2;  // rows of R bytes after the header
-template <Format F>
-constexpr int64_t kGroupBytes = kHeaderBytes<F> + kIndices<F> * kRows;
+constexpr int64_t kGroupBytes = int64_t{kRecordBytes<F>} * kRows;
 
 // R consecutive bytes, widened to R int32 lanes (zero- or sign-extended), and R float16 -> float.
 inline Ints WidenUnsigned(const uint8_t* p) {
@@ -100,32 +104,54 @@ template <Format F, int n>
 inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups, int64_t N, int64_t b,
                  int64_t c0) {
   constexpr int U = std::max(1, kSumsInFlight / n);
-  static_assert(kIndices<F> % U == 0);
+  static_assert(16 % U == 0);
   Rows acc[U][n] = {};
+  // `inputs` int8 rows of R integers at q, times scale d, against x rows xg.
+  auto bytes = [&](const uint8_t* q, Rows d, const float* xg, int inputs) {
+    for (int j = 0; j < inputs; j += U)
+      for (int u = 0; u < U; ++u) {
+        const Rows w = __builtin_convertvector(WidenSigned(q + (j + u) * kRows), Rows) * d;
+        for (int c = 0; c < n; ++c) acc[u][c] += w * xg[(j + u) * N + c];
+      }
+  };
+  // 32 inputs of 4-bit integers at q (16 rows of R bytes): w = d q + m.
+  auto nibbles = [&](const uint8_t* q, Rows d, Rows m, const float* xg) {
+    for (int j = 0; j < kGroup / 2; j += U)
+      for (int u = 0; u < U; ++u) {
+        const Ints v = WidenUnsigned(q + (j + u) * kRows);
+        const Rows low = __builtin_convertvector(v & 15, Rows) * d + m;
+        const Rows high = __builtin_convertvector(v >> 4, Rows) * d + m;
+        for (int c = 0; c < n; ++c) {
+          acc[u][c] += low * xg[(j + u) * N + c];
+          acc[u][c] += high * xg[(j + u + kGroup / 2) * N + c];
+        }
+      }
+  };
   const uint8_t* row = blocks + b * groups * kGroupBytes<F>;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = row + g * kGroupBytes<F>;
     for (int64_t line = 0; line < kGroupBytes<F>; line += 64) __builtin_prefetch(group + kPrefetchBytes + line, 0, 1);
+    const float* xg = x + g * kInputs<F> * N + c0;
     const Rows d = Halves(group);
-    const Rows m = F == kQ4_1 ? Halves(group + 2 * kRows) : d * -8.0f;  // Q4_0: d (q - 8)
-    const uint8_t* q = group + kHeaderBytes<F>;
-    const float* xg = x + g * kGroup * N + c0;
-    auto step = [&](int j, int u) {
-      if constexpr (F == kQ8_0) {
-        const Rows w = __builtin_convertvector(WidenSigned(q + j * kRows), Rows) * d;
-        for (int c = 0; c < n; ++c) acc[u][c] += w * xg[j * N + c];
-      } else {
-        const Ints v = WidenUnsigned(q + j * kRows);
-        const Rows low = __builtin_convertvector(v & 15, Rows) * d + m;
-        const Rows high = __builtin_convertvector(v >> 4, Rows) * d + m;
-        for (int c = 0; c < n; ++c) {
-          acc[u][c] += low * xg[j * N + c];
-          acc[u][c] += high * xg[(j + kGroup / 2) * N + c];
-        }
+    if constexpr (F == kQ8_0) {
+      bytes(group + 2 * kRows, d, xg, kGroup);
+    } else if constexpr (F == kQ4_0) {
+      nibbles(group + 2 * kRows, d, d * -8.0f, xg);
+    } else if constexpr (F == kQ4_1) {
+      nibbles(group + 4 * kRows, d, Halves(group + 2 * kRows), xg);
+    } else if constexpr (F == kQ4_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs of nibbles
+      const Rows dmin = Halves(group + 2 * kRows);
+      for (int s = 0; s < 8; ++s) {
+        const Rows scale = d * __builtin_convertvector(WidenUnsigned(group + (4 + s) * kRows), Rows);
+        const Rows offset = dmin * __builtin_convertvector(WidenUnsigned(group + (12 + s) * kRows), Rows);
+        nibbles(group + (20 + 16 * s) * kRows, scale, -offset, xg + kGroup * s * N);
       }
-    };
-    for (int j = 0; j < kIndices<F>; j += U)
-      for (int u = 0; u < U; ++u) step(j + u, u);
+    } else {  // Q6_K: d, sc[16] int8, then 16 x 16 inputs of int8
+      for (int s = 0; s < 16; ++s) {
+        const Rows scale = d * __builtin_convertvector(WidenSigned(group + (2 + s) * kRows), Rows);
+        bytes(group + (18 + 16 * s) * kRows, scale, xg + 16 * s * N, 16);
+      }
+    }
   }
   for (int c = 0; c < n; ++c) {
     Rows sum = acc[0][c];
@@ -157,13 +183,16 @@ void Run(ffi::ThreadPool& pool, const uint8_t* blocks, const float* x, float* y,
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::F32> y, int32_t format) {
   const auto bd = blocks.dimensions(), xd = x.dimensions(), yd = y->dimensions();
-  const int64_t group_bytes[] = {kGroupBytes<kQ8_0>, kGroupBytes<kQ4_0>, kGroupBytes<kQ4_1>};
-  if (format < 0 || format > 2)
+  const int64_t group_bytes[] = {kGroupBytes<kQ8_0>, kGroupBytes<kQ4_0>, kGroupBytes<kQ4_1>,
+                                 kGroupBytes<kQ4_K>, kGroupBytes<kQ6_K>};
+  const int64_t inputs[] = {kInputs<kQ8_0>, kInputs<kQ4_0>, kInputs<kQ4_1>, kInputs<kQ4_K>, kInputs<kQ6_K>};
+  if (format < 0 || format > 4)
     return ffi::Error::InvalidArgument("jinfer cpu quantized matmul: unknown format " + std::to_string(format));
-  if (bd.size() != 3 || bd[2] != group_bytes[format] || xd.size() != 2 || xd[0] != kGroup * bd[1] ||
+  if (bd.size() != 3 || bd[2] != group_bytes[format] || xd.size() != 2 || xd[0] != inputs[format] * bd[1] ||
       yd[0] != kRows * bd[0] || yd[1] != xd[1])
     return ffi::Error::InvalidArgument(
-        "jinfer cpu quantized matmul: blocks [B, K / 32, " + std::to_string(group_bytes[format]) +
+        "jinfer cpu quantized matmul: blocks [B, K / " + std::to_string(inputs[format]) + ", " +
+        std::to_string(group_bytes[format]) +
         "], x [K, N] and y [" + std::to_string(kRows) + " B, N] expected");
   const uint8_t* w = blocks.typed_data();
   const float* columns = x.typed_data();
@@ -171,6 +200,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer
   if (format == kQ8_0) Run<kQ8_0>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   if (format == kQ4_0) Run<kQ4_0>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   if (format == kQ4_1) Run<kQ4_1>(pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ4_K) Run<kQ4_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ6_K) Run<kQ6_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   return ffi::Error::Success();
 }
 

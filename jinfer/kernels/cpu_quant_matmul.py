@@ -1,5 +1,5 @@
 """The CPU quantized matmul kernel (`cpu_quant_matmul.cc`): a few columns times a weight matrix
-held as Q8_0 / Q4_0 / Q4_1 blocks, dequantized in registers.
+held as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks, dequantized in registers.
 
 The blocks' layout (R rows side by side per group of 32 inputs, R = `block_rows()`) is made by
 `jinfer.models.quantized`, which also owns the formats; this module only calls the kernel.
@@ -21,7 +21,7 @@ from jinfer.kernels import register_cpu_kernel
 log = logging.getLogger(__name__)
 
 TARGET = "jinfer_cpu_quant_matmul"
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's `format` attribute
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q6_k": 4}  # the kernel's `format` attribute
 
 
 @functools.cache
@@ -43,8 +43,8 @@ def block_rows() -> int:
 
 
 def matmul(blocks: jax.Array, x: jax.Array, format: str, rows: int) -> jax.Array:
-    """The first `rows` rows of the matrix held in `blocks` [ceil(M / R), K / 32, group bytes]
-    (uint8) times columns x [K, N] (float32) -> [rows, N]."""
+    """The first `rows` rows of the matrix held in `blocks` [ceil(M / R), K / group, R x record
+    bytes] (uint8) times columns x [K, N] (float32) -> [rows, N]."""
     out_rows = blocks.shape[0] * block_rows()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((out_rows, x.shape[1]), jnp.float32))
     out = call(blocks, x.astype(jnp.float32), format=np.int32(FORMAT_CODES[format]))

@@ -1,16 +1,23 @@
 """Weight matrices held quantized: the formats, their one layout in memory, and their products.
 
-    format   one block = 32 inputs of one row              bytes per weight
-    q8_0     float16 d, int8 q[32]:        w = d q          34 / 32
-    q4_0     float16 d, 4-bit q[32]:       w = d (q - 8)    18 / 32
-    q4_1     float16 d, m, 4-bit q[32]:    w = d q + m      20 / 32
+    format   one block of one row                                    bytes per weight
+    q8_0     32 inputs: float16 d, int8 q:  w = d q                   34 / 32   (file: same)
+    q4_0     32 inputs: float16 d, 4-bit q:  w = d (q - 8)            18 / 32   (same)
+    q4_1     32 inputs: float16 d, m, 4-bit q:  w = d q + m           20 / 32   (same)
+    q4_k     256 inputs: float16 d, dmin; per 32: sc, m (6 bits,
+             held as bytes), 4-bit q:  w = d sc q - dmin m            148 / 256 (file: 144)
+    q6_k     256 inputs: float16 d; per 16: int8 sc; 6-bit q - 32
+             (held as int8):  w = d sc q                              274 / 256 (file: 210)
 
-These are ggml's blocks (GGUF's Q8_0, Q4_0 and Q4_1 tensors). A loader hands them over as they are
-in the file (`HostBlocks`: rows of ggml blocks, reshaped and stacked like any weight by row
-permutations only); `QuantizedWeight.from_host` regroups the same bits for the CPU kernel
-(`jinfer.kernels.cpu_quant_matmul`): per group of 32 inputs, R rows side by side (R =
-`block_rows()`), their float16 scales (and offsets) first, then their integers input-major. Nothing
-is dequantized on the way, so a weight holds about the file's bytes.
+These are ggml's blocks (GGUF's tensors of those types); int8 weights made at load from float
+ones (`quantize_int8`) are q8_0 blocks whose rows repeat one scale. A loader hands them over as
+records per row (`records_from_ggml`; for the 32-input types ggml's bytes as they are) in
+`HostBlocks`, which reshape and stack like any weight by row permutations only (parts of a stacked
+weight in different formats stay apart: `HostStack` -> `StackedWeight`).
+`QuantizedWeight.from_host` regroups the records for the CPU kernel
+(`jinfer.kernels.cpu_quant_matmul`): per group of inputs, R rows side by side (R =
+`block_rows()`), field by field, float16 scales first, integers input-major. Nothing is
+dequantized on the way, so a weight holds about the file's bytes.
 
 Products (`project`): up to `MAX_COLUMNS` columns (decode steps, short chunks) run the kernel,
 which dequantizes in registers; more columns (prompt chunks) multiply the matrix dequantized by
@@ -30,32 +37,63 @@ from flax import struct
 
 from jinfer.kernels import cpu_matmul, cpu_quant_matmul
 
-GROUP = 32  # inputs per block
 MAX_COLUMNS = cpu_matmul.MAX_COLUMNS
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
+    """A block format: `group` inputs of one row per block, held as a record of `fields` (name,
+    count, bytes each), in order. Records of Q8_0 / Q4_0 / Q4_1 are ggml's blocks byte for byte;
+    those of the K-quants unpack ggml's (6-bit scales to bytes, Q6_K's 6-bit integers to int8) so
+    the kernel reads whole bytes."""
+
     name: str
-    offsets: bool  # a float16 offset m per block besides the scale d
-    bits: int  # of each integer q
-    signed: bool  # q8_0's integers are int8; q4's are unsigned nibbles
+    group: int
+    fields: tuple[tuple[str, int, int], ...]
+    ggml_block_bytes: int
 
     @property
-    def header_bytes(self) -> int:
-        return 4 if self.offsets else 2
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block (32 inputs of one row), as ggml stores it."""
-        return self.header_bytes + GROUP * self.bits // 8
+    def record_bytes(self) -> int:
+        return sum(count * size for _, count, size in self.fields)
 
 
+_NIBBLES = ("q", 16, 1)  # 32 4-bit integers: byte j holds input j (low nibble) and j + 16 (high)
 FORMATS = {
-    "q8_0": QuantFormat("q8_0", offsets=False, bits=8, signed=True),
-    "q4_0": QuantFormat("q4_0", offsets=False, bits=4, signed=False),
-    "q4_1": QuantFormat("q4_1", offsets=True, bits=4, signed=False),
+    "q8_0": QuantFormat("q8_0", 32, (("d", 1, 2), ("q", 32, 1)), 34),  # w = d q
+    "q4_0": QuantFormat("q4_0", 32, (("d", 1, 2), _NIBBLES), 18),  # w = d (q - 8)
+    "q4_1": QuantFormat("q4_1", 32, (("d", 1, 2), ("m", 1, 2), _NIBBLES), 20),  # w = d q + m
+    # 8 x 32 inputs: w = d sc[s] q - dmin m[s] (sc, m: 6 bits), q as in q4 per sub-block s
+    "q4_k": QuantFormat(
+        "q4_k", 256, (("d", 1, 2), ("dmin", 1, 2), ("sc", 8, 1), ("m", 8, 1), ("q", 128, 1)), 144
+    ),
+    # 16 x 16 inputs: w = d sc[s] q (sc int8, q the 6-bit integer - 32 as int8)
+    "q6_k": QuantFormat("q6_k", 256, (("d", 1, 2), ("sc", 16, 1), ("q", 256, 1)), 210),
 }
+
+
+def records_from_ggml(format: QuantFormat, raw: np.ndarray) -> np.ndarray:
+    """Rows of ggml blocks [rows, blocks x ggml bytes] -> rows of records [rows, blocks x record
+    bytes] (the same values; for Q8_0 / Q4_0 / Q4_1 the same bytes)."""
+    if format.ggml_block_bytes == format.record_bytes:
+        return raw
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, format.ggml_block_bytes)
+    if format.name == "q4_k":
+        d, scales, qs = blocks[:, :4], blocks[:, 4:16].reshape(-1, 3, 4), blocks[:, 16:]
+        low, high, both = scales[:, 0], scales[:, 1], scales[:, 2]  # ggml's 6-bit packing
+        sc = np.concatenate([low & 63, (both & 15) | ((low >> 2) & 48)], axis=1)
+        m = np.concatenate([high & 63, (both >> 4) | ((high >> 2) & 48)], axis=1)
+        values = np.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], axis=2).reshape(-1, 8, 32)
+        nibbles = (values[:, :, :16] | (values[:, :, 16:] << 4)).reshape(-1, 128)
+        records = np.concatenate([d, sc, m, nibbles], axis=1)
+    else:  # q6_k
+        ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:]
+        low = np.stack([ql.reshape(-1, 2, 64) & 15, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
+        shifts = np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]
+        high = ((qh.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
+        q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8).reshape(-1, 256)
+        records = np.concatenate([d, sc, q], axis=1)
+    return records.reshape(rows, -1)
 
 
 def block_rows() -> int:
@@ -64,8 +102,8 @@ def block_rows() -> int:
 
 @dataclasses.dataclass
 class HostBlocks:
-    """A quantized weight as a loader reads it: `data` [rows, (in / 32) x block bytes] (uint8, ggml's
-    blocks of each row in order) with its logical `shape` [out..., in...]. Reshaping the output
+    """A quantized weight as a loader reads it: `data` [rows, (in / group) x record bytes] (uint8,
+    each row's records in order) with its logical `shape` [out..., in...]. Reshaping the output
     dims, `[None]` and `concatenate` along an output dim move whole rows, as they do for a float
     weight, so loaders treat both alike."""
 
@@ -75,7 +113,7 @@ class HostBlocks:
 
     @property
     def in_features(self) -> int:
-        return self.data.shape[1] // self.format.block_bytes * GROUP
+        return self.data.shape[1] // self.format.record_bytes * self.format.group
 
     def reshape(self, *shape: int) -> HostBlocks:
         if math.prod(shape) != math.prod(self.shape) or _input_dims(shape, self.in_features) is None:
@@ -100,12 +138,33 @@ def _input_dims(shape: tuple[int, ...], in_features: int) -> int | None:
     return None
 
 
-def concatenate(parts: list[HostBlocks], axis: int) -> HostBlocks:
-    """Stack quantized weights along an output axis: their rows interleave as a float's would."""
+@dataclasses.dataclass
+class HostStack:
+    """Quantized weights a loader stacks (q/k/v, gate/up) that the file holds in different formats
+    (a Q4_K_M file's Q6_K values beside Q4_K queries and keys): kept apart, stacked at product
+    time (`StackedWeight`)."""
+
+    parts: list[HostBlocks]
+    axis: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return _stacked_shape([p.shape for p in self.parts], self.axis)
+
+
+def _stacked_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    return (*shapes[0][:axis], sum(s[axis] for s in shapes), *shapes[0][axis + 1 :])
+
+
+def concatenate(parts: list[HostBlocks], axis: int) -> HostBlocks | HostStack:
+    """Stack quantized weights along an output axis: their rows interleave as a float's would
+    (parts in different formats stay apart, as a `HostStack`)."""
     first = parts[0]
     out_dims = len(first.output_shape)
-    if axis >= out_dims or any(p.format != first.format or p.in_features != first.in_features for p in parts):
-        raise ValueError("quantized weights stack only along an output dim, in one format and width")
+    if axis >= out_dims or any(p.in_features != first.in_features for p in parts):
+        raise ValueError("quantized weights stack only along an output dim, of one width")
+    if any(p.format != first.format for p in parts):
+        return HostStack(list(parts), axis)
     rows = [p.data.reshape(*p.output_shape, -1) for p in parts]
     data = np.concatenate(rows, axis=axis)
     shape = (*data.shape[:-1], *first.shape[out_dims:])
@@ -114,8 +173,9 @@ def concatenate(parts: list[HostBlocks], axis: int) -> HostBlocks:
 
 @struct.dataclass
 class QuantizedWeight:
-    """A weight matrix [out..., in...] held as quantized blocks in the kernel's layout:
-    `blocks` uint8 [ceil(out / R), in / 32, R x block bytes] (R = `block_rows()`; rows past `out`
+    """A weight matrix [out..., in...] held as quantized blocks in the kernel's layout: `blocks`
+    uint8 [ceil(out / R), in / group, R x record bytes] (R = `block_rows()`): for each block of R
+    rows and `group` inputs, each field of their records in turn, R side by side (rows past `out`
     are zeros)."""
 
     blocks: jax.Array
@@ -123,12 +183,8 @@ class QuantizedWeight:
     shape: tuple[int, ...] = struct.field(pytree_node=False)
 
     @property
-    def rows(self) -> int:
-        return self.blocks.shape[0] * self.blocks.shape[2] // FORMATS[self.format].block_bytes
-
-    @property
     def in_features(self) -> int:
-        return self.blocks.shape[1] * GROUP
+        return self.blocks.shape[1] * FORMATS[self.format].group
 
     @property
     def out_features(self) -> int:
@@ -136,30 +192,46 @@ class QuantizedWeight:
 
     @staticmethod
     def from_host(host: HostBlocks) -> QuantizedWeight:
-        """Regroup a loader's rows of ggml blocks for the kernel (the same bits, reordered)."""
+        """Regroup a loader's rows of records for the kernel (the same bytes, reordered)."""
         fmt, r = host.format, block_rows()
-        rows, groups = host.data.shape[0], host.in_features // GROUP
-        padded = np.zeros((-(-rows // r) * r, groups, fmt.block_bytes), np.uint8)
-        padded[:rows] = host.data.reshape(rows, groups, fmt.block_bytes)
-        by_block = padded.reshape(-1, r, groups, fmt.block_bytes).transpose(0, 2, 1, 3)  # [B, G, R, bytes]
-        header = by_block[..., : fmt.header_bytes].reshape(*by_block.shape[:3], -1, 2)  # [B, G, R, d|m, 2]
-        header = header.transpose(0, 1, 3, 2, 4).reshape(*by_block.shape[:2], -1)  # all d, then all m
-        ints = by_block[..., fmt.header_bytes :].transpose(0, 1, 3, 2).reshape(*by_block.shape[:2], -1)
-        blocks = np.ascontiguousarray(np.concatenate([header, ints], axis=-1))
+        rows, groups = host.data.shape[0], host.in_features // fmt.group
+        padded = np.zeros((-(-rows // r) * r, groups, fmt.record_bytes), np.uint8)
+        padded[:rows] = host.data.reshape(rows, groups, fmt.record_bytes)
+        by_block = padded.reshape(-1, r, groups, fmt.record_bytes)  # [B, R, G, record]
+        fields, at = [], 0
+        for _, count, size in fmt.fields:
+            field = by_block[..., at : at + count * size].reshape(*by_block.shape[:3], count, size)
+            fields.append(
+                field.transpose(0, 2, 3, 1, 4).reshape(*field.shape[:1], groups, -1)
+            )  # [B, G, count R size]
+            at += count * size
+        blocks = np.ascontiguousarray(np.concatenate(fields, axis=-1))
         return QuantizedWeight(jnp.asarray(blocks), fmt.name, host.shape)
 
     def to_host(self) -> HostBlocks:
-        """The weight as rows of ggml blocks again (what `from_host` was given): the layout a
+        """The weight as rows of records again (what `from_host` was given): the layout a
         checkpoint stores, independent of the kernel's R."""
-        fmt, r = FORMATS[self.format], self.blocks.shape[2] // FORMATS[self.format].block_bytes
+        fmt = FORMATS[self.format]
         blocks = np.asarray(self.blocks)
         nblocks, groups, _ = blocks.shape
-        halves = fmt.header_bytes // 2
-        header = blocks[..., : fmt.header_bytes * r].reshape(nblocks, groups, halves, r, 2)
-        header = header.transpose(0, 3, 1, 2, 4).reshape(nblocks, r, groups, -1)  # [B, R, G, d|m bytes]
-        ints = blocks[..., fmt.header_bytes * r :].reshape(nblocks, groups, -1, r).transpose(0, 3, 1, 2)
-        rows = np.concatenate([header, ints], axis=-1).reshape(nblocks * r, -1)[: self.out_features]
+        r = blocks.shape[2] // fmt.record_bytes
+        fields = [
+            field.reshape(nblocks, groups, count, r, size)
+            .transpose(0, 3, 1, 2, 4)
+            .reshape(nblocks, r, groups, -1)
+            for field, (_, count, size) in zip(_split_fields(blocks, fmt, r), fmt.fields, strict=True)
+        ]
+        rows = np.concatenate(fields, axis=-1).reshape(nblocks * r, -1)[: self.out_features]
         return HostBlocks(fmt, np.ascontiguousarray(rows), self.shape)
+
+
+def _split_fields(blocks, fmt: QuantFormat, r: int) -> list:
+    """The kernel-layout bytes [B, G, R x record] split into each field's [B, G, count R size]."""
+    out, at = [], 0
+    for _, count, size in fmt.fields:
+        out.append(blocks[..., at : at + count * r * size])
+        at += count * r * size
+    return out
 
 
 def quantize_int8(values: np.ndarray, input_dims: int) -> HostBlocks:
@@ -172,37 +244,74 @@ def quantize_int8(values: np.ndarray, input_dims: int) -> HostBlocks:
     scale = (np.abs(rows).max(axis=1) / 127).astype(np.float16)
     safe = np.where(scale > 0, scale.astype(np.float32), 1.0)[:, None]
     q = np.clip(np.rint(rows / safe), -127, 127).astype(np.int8)
-    groups = rows.shape[1] // GROUP
-    blocks = np.empty((rows.shape[0], groups, FORMATS["q8_0"].block_bytes), np.uint8)
+    groups = rows.shape[1] // 32
+    blocks = np.empty((rows.shape[0], groups, FORMATS["q8_0"].record_bytes), np.uint8)
     blocks[..., :2] = scale.view(np.uint8).reshape(-1, 1, 2)
-    blocks[..., 2:] = q.view(np.uint8).reshape(rows.shape[0], groups, GROUP)
+    blocks[..., 2:] = q.view(np.uint8).reshape(rows.shape[0], groups, 32)
     return HostBlocks(FORMATS["q8_0"], blocks.reshape(rows.shape[0], -1), shape)
 
 
 def int8_quantizable(shape: tuple[int, ...], input_dims: int) -> bool:
-    return input_dims > 0 and math.prod(shape[-input_dims:]) % GROUP == 0
+    return input_dims > 0 and math.prod(shape[-input_dims:]) % 32 == 0
 
 
-def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """The weight's values [out..., in...] as `dtype` (computed as ggml dequantizes: d q, then + m)."""
+@struct.dataclass
+class StackedWeight:
+    """A stacked weight whose parts are held in different formats (`HostStack`): each part's
+    product, stacked along `axis` of the output dims (a shuffle of activations, not weights)."""
+
+    parts: tuple[QuantizedWeight, ...]
+    axis: int = struct.field(pytree_node=False)
+
+    @staticmethod
+    def from_host(host: HostStack) -> StackedWeight:
+        return StackedWeight(tuple(QuantizedWeight.from_host(p) for p in host.parts), host.axis)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return _stacked_shape([p.shape for p in self.parts], self.axis)
+
+
+def dequantize(w: QuantizedWeight | StackedWeight, dtype=jnp.float32) -> jax.Array:
+    """The weight's values [out..., in...] as `dtype` (computed as ggml dequantizes them)."""
+    if isinstance(w, StackedWeight):
+        return jnp.concatenate([dequantize(p, dtype) for p in w.parts], axis=w.axis)
     return _dequantize_blocks(w.blocks, w.format)[: w.out_features].reshape(w.shape).astype(dtype)
 
 
 def _dequantize_blocks(blocks: jax.Array, format: str) -> jax.Array:
-    """blocks [B, G, R x block bytes] -> float32 [B R, G 32]."""
+    """blocks [B, G, R x record] -> float32 [B R, G group]."""
     fmt = FORMATS[format]
     nblocks, groups, _ = blocks.shape
     r = block_rows()
-    halves = lambda a: jax.lax.bitcast_convert_type(a.reshape(nblocks, groups, r, 2), jnp.float16)
-    d = halves(blocks[..., : 2 * r]).astype(jnp.float32)[:, :, None, :]  # [B, G, 1, R]
-    ints = blocks[..., fmt.header_bytes * r :].reshape(nblocks, groups, -1, r)  # [B, G, bytes, R]
-    if fmt.bits == 8:
-        values = d * jax.lax.bitcast_convert_type(ints, jnp.int8).astype(jnp.float32)
-    else:
-        q = jnp.concatenate([ints & 15, ints >> 4], axis=2).astype(jnp.float32)  # inputs j, then j + 16
-        m = halves(blocks[..., 2 * r : 4 * r]).astype(jnp.float32)[:, :, None, :] if fmt.offsets else None
-        values = d * q + m if m is not None else d * (q - 8.0)
-    return values.transpose(0, 3, 1, 2).reshape(nblocks * r, groups * GROUP)
+    field = dict(zip((name for name, _, _ in fmt.fields), _split_fields(blocks, fmt, r), strict=True))
+    each = lambda name, dtype: jax.lax.bitcast_convert_type(
+        field[name].reshape(nblocks, groups, -1, r), dtype
+    )
+    halves = lambda name: jax.lax.bitcast_convert_type(
+        field[name].reshape(nblocks, groups, 1, r, 2), jnp.float16
+    ).astype(jnp.float32)  # [B, G, 1, R]
+
+    def nibbles(name: str) -> jax.Array:  # [B, G, n x 32, R]: per 32 inputs, byte j = inputs j, j + 16
+        q = field[name].reshape(nblocks, groups, -1, 16, r)
+        return jnp.concatenate([q & 15, q >> 4], axis=3).reshape(nblocks, groups, -1, r).astype(jnp.float32)
+
+    if format == "q8_0":
+        values = halves("d") * each("q", jnp.int8).astype(jnp.float32)
+    elif format == "q4_0":
+        values = halves("d") * (nibbles("q") - 8.0)
+    elif format == "q4_1":
+        values = halves("d") * nibbles("q") + halves("m")
+    elif format == "q4_k":
+        scale = (halves("d") * each("sc", jnp.uint8).astype(jnp.float32))[:, :, :, None]  # [B, G, 8, 1, R]
+        offset = (halves("dmin") * each("m", jnp.uint8).astype(jnp.float32))[:, :, :, None]
+        q = nibbles("q").reshape(nblocks, groups, 8, 32, r)
+        values = (scale * q - offset).reshape(nblocks, groups, -1, r)
+    else:  # q6_k
+        scale = (halves("d") * each("sc", jnp.int8).astype(jnp.float32))[:, :, :, None]  # [B, G, 16, 1, R]
+        q = each("q", jnp.int8).astype(jnp.float32).reshape(nblocks, groups, 16, 16, r)
+        values = (scale * q).reshape(nblocks, groups, -1, r)
+    return values.transpose(0, 3, 1, 2).reshape(nblocks * r, groups * fmt.group)
 
 
 def take_rows(w: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -213,9 +322,13 @@ def take_rows(w: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Arra
     return jnp.take_along_axis(rows, (ids % r)[:, None, None], axis=1)[:, 0].astype(dtype)
 
 
-def project(w: QuantizedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.Array:
+def project(w: QuantizedWeight | StackedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.Array:
     """w times columns x [in, N] -> [out..., N] (float32): the kernel for up to MAX_COLUMNS
     columns, XLA's dot over the dequantized matrix for more (or without the kernel)."""
+    if isinstance(w, StackedWeight):
+        dims = len(out_dims)
+        outs = [project(p, x, p.shape[:dims]) for p in w.parts]
+        return jnp.concatenate(outs, axis=w.axis)
     if x.shape[1] <= MAX_COLUMNS and cpu_quant_matmul.available():
         out = cpu_quant_matmul.matmul(w.blocks, x, w.format, w.out_features)
     else:
@@ -225,7 +338,7 @@ def project(w: QuantizedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, QuantizedWeight)
+    return isinstance(w, QuantizedWeight | StackedWeight)
 
 
 def dequantized(params, dtype=jnp.float32):
@@ -256,7 +369,7 @@ def describe_held(params, packed: bool) -> str:
 def formats_held(params) -> dict[str, int]:
     """Quantized weights per format in `params` (for the start-up log)."""
     counts: dict[str, int] = {}
-    for w in jax.tree.leaves(params, is_leaf=is_quantized):
-        if is_quantized(w):
+    for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, QuantizedWeight)):
+        if isinstance(w, QuantizedWeight):  # each part of a StackedWeight
             counts[w.format] = counts.get(w.format, 0) + 1
     return counts
