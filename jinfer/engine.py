@@ -113,6 +113,7 @@ class Engine:
             cache_bytes_per_token=per_token,
             weight_bytes=weight_bytes,
             available_bytes=available_memory_bytes(self.mesh.devices.flat[0]) * devices,
+            quantized_weights=bool(quantized.formats_held(self.params)),
         )
         if layout.packed_weights:  # one device: the packed copies' own placement will do
             self.params = llama.pack_weights(self.params, padded_cfg)
@@ -155,7 +156,7 @@ class Engine:
             layout.max_seq_len,
             layout.mesh_data,
             layout.mesh_model,
-            quantized.describe_held(self.params, packed=layout.packed_weights),
+            quantized.describe_held(self.params),
         )
         log.info("engine: %s", layout.describe_pool(per_token))
         log.info("engine: %s", layout.describe())

@@ -53,6 +53,7 @@ class Layout:
     context_policy: str
     attention_kernel: str | None  # "cpu" / "gpu": decode attends with that kernel; None: XLA's einsums
     packed_weights: bool  # products of up to cpu_matmul.MAX_COLUMNS columns by the packed kernel
+    quantized_weights: bool  # quantized matrices kept, multiplied by the quantized kernel
     page_size: int
     num_pages: int  # pages in each layer's pool, the sink page included
     prefix_caching: bool
@@ -132,7 +133,11 @@ class Layout:
 
     def describe(self) -> str:
         """One line for the start-up log: what runs the products and attention, and the buckets."""
-        products = "jinfer's packed-weight kernel (CPU)" if self.packed_weights else "XLA's dot"
+        kernels = (
+            (self.quantized_weights, "jinfer's quantized kernel (quantized matrices)"),
+            (self.packed_weights, "jinfer's packed-weight kernel (float matrices)"),
+        )
+        products = ", ".join(name for on, name in kernels if on) or "XLA's dot"
         attention = {"cpu": "jinfer's C++ kernel", "gpu": "Pallas kernel", None: "XLA's einsums"}
         mixed = f", mixed prefill {self.mixed_prefill_tokens}+ tokens" if self.mixed_prefill_tokens else ""
         steps = f"{self.decode_steps} decode step{'s' * (self.decode_steps != 1)} per dispatch"
@@ -212,6 +217,7 @@ def resolve_layout(
     cache_bytes_per_token: int,
     weight_bytes: int,
     available_bytes: int,
+    quantized_weights: bool = False,
 ) -> Layout:
     """The layout in effect. `available_bytes`: memory free now, with the weights already loaded;
     the pool and (packed weights) a packed copy of the weights must fit within memory_fraction of
@@ -259,6 +265,7 @@ def resolve_layout(
         context_policy=config.context_policy,
         attention_kernel=attention_kernel(config, model, max_pages, devices),
         packed_weights=runs,
+        quantized_weights=quantized_weights,
         page_size=page,
         num_pages=pages,
         prefix_caching=config.prefix_caching,

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = served_name(server, model_path)
     log.info(
-        "model %s (%s, %d layers) loaded in %.1f s as '%s' (peak resident memory %.0f MiB); "
+        "model %s (%s, %d layers) loaded in %.1f s as '%s' (resident memory peak so far: %.0f MiB, "
+        "weights and KV pool); "
         "sampling defaults %s",
         model_path,
         loaded.config.architecture,

@@ -36,6 +36,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.kernels import cpu_matmul, cpu_quant_matmul
+from jinfer.models.params import PackedWeight
 
 MAX_COLUMNS = cpu_matmul.MAX_COLUMNS
 
@@ -337,6 +338,10 @@ def project(w: QuantizedWeight | StackedWeight, x: jax.Array, out_dims: tuple[in
     return out.reshape(*out_dims, x.shape[1])
 
 
+def is_packed(w) -> bool:
+    return isinstance(w, PackedWeight)
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight | StackedWeight)
 
@@ -352,7 +357,7 @@ def floats(params):
     return jax.tree.map(lambda w: None if is_quantized(w) else w, params, is_leaf=is_quantized)
 
 
-def describe_held(params, packed: bool) -> str:
+def describe_held(params) -> str:
     """The weights' bytes as held, for the start-up log: quantized matrices per format, float ones
     (and their packed copies)."""
     held = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
@@ -360,9 +365,10 @@ def describe_held(params, packed: bool) -> str:
     parts = [f"{held(params) / 2**20:.1f} MiB as held"]
     if quantized:
         counts = ", ".join(f"{n} {name}" for name, n in sorted(formats_held(params).items()))
-        parts.append(f"{quantized / 2**20:.1f} MiB quantized ({counts} matrices, jinfer's quantized kernel)")
+        parts.append(f"{quantized / 2**20:.1f} MiB quantized ({counts} matrices)")
+    packed = [w for w in jax.tree.leaves(params, is_leaf=is_packed) if is_packed(w)]
     if packed:
-        parts.append("float matrices with packed copies")
+        parts.append(f"{len(packed)} float matrices with packed copies")
     return "; ".join(parts)
 
 
