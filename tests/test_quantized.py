@@ -103,6 +103,11 @@ def test_rows_stack_and_permute_as_float_rows_do():
     got = quantized.dequantize(QuantizedWeight.from_host(stacked))
     np.testing.assert_array_equal(np.asarray(got), want)
     assert host("q8_0", 8, 3)[None].shape == (1, 8, 64)
+    # beside a float part (a file may keep one projection unquantized), all stack as floats
+    mixed = quantized.concatenate(
+        [host("q4_1", 48, 1).reshape(2, 3, 8, 64), k_values.reshape(2, 1, 8, 64)], 1
+    )
+    np.testing.assert_array_equal(mixed, want)
     with pytest.raises(ValueError):
         quantized.concatenate([stacked, stacked], axis=3)  # the input axis
 

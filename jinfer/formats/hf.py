@@ -279,7 +279,8 @@ def _fuse_parts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = [f"{stacked}.{p}" for p in fused[0]]
         if all(n in arrays for n in names):
             parts = [arrays.pop(n) for n in names]
-            stack = quantized.concatenate if isinstance(parts[0], quantized.HostBlocks) else np.concatenate
+            blocks = any(isinstance(p, quantized.HostBlocks) for p in parts)
+            stack = quantized.concatenate if blocks else np.concatenate
             arrays[stacked] = stack(parts, axis=fused[1])
     return arrays
 

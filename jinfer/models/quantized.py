@@ -157,9 +157,15 @@ def _stacked_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
     return (*shapes[0][:axis], sum(s[axis] for s in shapes), *shapes[0][axis + 1 :])
 
 
-def concatenate(parts: list[HostBlocks], axis: int) -> HostBlocks | HostStack:
+def concatenate(parts: list, axis: int) -> HostBlocks | HostStack | np.ndarray:
     """Stack quantized weights along an output axis: their rows interleave as a float's would
-    (parts in different formats stay apart, as a `HostStack`)."""
+    (parts in different formats stay apart, as a `HostStack`; beside a float part, which no block
+    format holds, every part is stacked as its float values)."""
+    if not all(isinstance(p, HostBlocks) for p in parts):
+        values = lambda p: (
+            np.asarray(dequantize(QuantizedWeight.from_host(p))) if isinstance(p, HostBlocks) else p
+        )
+        return np.concatenate([values(p) for p in parts], axis=axis)
     first = parts[0]
     out_dims = len(first.output_shape)
     if axis >= out_dims or any(p.in_features != first.in_features for p in parts):
