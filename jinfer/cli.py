@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=QUANTIZATIONS,
         default="auto",
-        help="auto: weights as the source holds them (a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K "
+        help="auto: weights as the source holds them (a GGUF's Q8_0 / Q4_x / Q5_x / Q4_K / Q5_K / Q6_K "
         "blocks stay so); int8: float matrices quantized to int8 per output channel; none: all float "
         "(default: auto)",
     )

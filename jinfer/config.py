@@ -179,9 +179,10 @@ class EngineConfig:
     )
     quantization: str = setting(
         "auto",
-        "auto: weights held as the file holds them (a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K "
-        "matrices stay quantized, multiplied by jinfer's CPU kernel: one CPU device, float32); int8: float "
-        "matrices quantized at load (weight-only, per output channel); none: all dequantized",
+        "auto: weights held as the file holds them (a GGUF's Q8_0 / Q4_x / Q5_x / Q4_K / Q5_K / "
+        "Q6_K matrices stay quantized, multiplied by jinfer's CPU kernel: one CPU device, float32); "
+        "int8: float matrices quantized at load (weight-only, per output channel); none: all "
+        "dequantized",
     )
     mesh_data: int = setting(1, "devices along the data axis (slots are split over it)")
     mesh_model: int = setting(1, "devices along the model axis (heads, MLP width, vocabulary)")

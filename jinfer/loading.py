@@ -22,8 +22,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, quantization: str = "
     """Load a HF model directory, a .gguf file or a jinfer checkpoint directory; the model's
     preset (`jinfer.presets`), if it has one, adds its sampling defaults. `quantization` (as
     `EngineConfig.quantization`): "auto" keeps quantized what the file holds quantized (a GGUF's
-    Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices, a checkpoint's blocks), "int8" also quantizes float matrices,
-    "none" dequantizes everything."""
+    matrices of the types jinfer multiplies, a checkpoint's blocks), "int8" also quantizes float
+    matrices, "none" dequantizes everything."""
     loaded = _load(os.fspath(path), dtype, quantization)
     preset = model_preset(path)
     if "sampling" in preset:

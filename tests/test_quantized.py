@@ -25,6 +25,7 @@ from jinfer.models.quantized import FORMATS, HostBlocks, QuantizedWeight
 GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in FORMATS}
 # Where ggml's blocks keep their float16 scales (and offsets): random bytes there could be NaN.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
+SCALE_OFFSETS |= {"q5_0": (0,), "q5_1": (0, 2), "q5_k": (0, 2)}
 
 
 def random_blocks(format: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -55,12 +56,13 @@ def weight(format: str, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedW
 def test_blocks_hold_exactly_what_ggml_dequantizes_to(format):
     """Regrouped for the kernel (37 rows: a partial block of rows), the blocks dequantize to
     gguf's values, and embedding rows gathered from them too; regrouped back, they are the rows
-    of records they were (Q8_0 / Q4_0 / Q4_1: ggml's bytes)."""
+    of records they were (Q8_0 / Q4_0 / Q4_1: ggml's bytes; the others hold their integers and
+    sub-block scales as whole bytes)."""
     cols = width(format, 3)
     w, reference = weight(format, 37, cols)
     records = quantized.records_from_ggml(FORMATS[format], random_blocks(format, 37, cols))
     np.testing.assert_array_equal(w.to_host().data, records)
-    if FORMATS[format].group == 32:
+    if FORMATS[format].record_bytes == FORMATS[format].ggml_block_bytes:  # ggml's bytes as they are
         np.testing.assert_array_equal(records, random_blocks(format, 37, cols))
     np.testing.assert_array_equal(np.asarray(quantized.dequantize(w)), reference)
     ids = jnp.array([0, 36, 8, 9, 17])
@@ -305,22 +307,23 @@ def test_loading_quantized_blocks_makes_no_float_copies(smollm2_path):
 
 
 def test_k_quant_gguf_serves_from_its_blocks(tiny_model, tmp_path):
-    """A GGUF mixing Q4_K and Q6_K matrices as Q4_K_M files do (values, down projections and the
-    output in Q6_K: the stacked q/k/v then holds two formats; random blocks, since the gguf
-    package cannot quantize to K-quants) is served from its blocks, which hold exactly the
-    dequantizing loader's values, with the same greedy tokens as the model dequantized at load;
-    a checkpoint keeps the blocks as they are."""
+    """A GGUF mixing K-quants as Q4_K_M files do (values, down projections and the output in
+    Q6_K, so the stacked q/k/v holds two formats; here the output projections in Q5_K; random
+    blocks, since the gguf package cannot quantize to K-quants) is served from its blocks, which
+    hold exactly the dequantizing loader's values, with the same greedy tokens as the model
+    dequantized at load; a checkpoint keeps the blocks as they are."""
     from jinfer.formats.checkpoint import load_checkpoint, save_checkpoint
 
     directory, model = tiny_model("llama_k_quant_widths")
     path = str(tmp_path / "k.gguf")
     q6_k = lambda name: name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "output.weight"
-    kinds = lambda name: "Q6_K" if q6_k(name) else "Q4_K"
+    kinds = lambda name: "Q6_K" if q6_k(name) else "Q5_K" if name.endswith("attn_output.weight") else "Q4_K"
     rows_of = lambda w, qtype: random_blocks(qtype.name.lower(), w.shape[0], w.shape[1], seed=w.shape[0])
     write_gguf(model, directory, path, kinds, quantize=rows_of)
     kept, plain = load_gguf(path), load_gguf(path, quantization="none")
     layers = kept.config.num_layers
-    assert quantized.formats_held(kept.params) == {"q4_k": 4 * layers + 1, "q6_k": 2 * layers + 1}
+    want = {"q4_k": 3 * layers + 1, "q5_k": layers, "q6_k": 2 * layers + 1}
+    assert quantized.formats_held(kept.params) == want
     assert isinstance(kept.params.layers[0].wqkv, quantized.StackedWeight)
     save_checkpoint(str(tmp_path / "ckpt"), kept)
     restored = load_checkpoint(str(tmp_path / "ckpt"))

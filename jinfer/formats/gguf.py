@@ -144,7 +144,7 @@ def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
 
 
 # ggml types kept as their blocks (`models.quantized`) when the loader is asked to.
-_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+_KEPT = {name: name.lower() for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -179,7 +179,7 @@ def _weight(tensor, keep_quantized: bool, dequantized: set[str]) -> np.ndarray |
 
 def load_gguf(path: str, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
     """A GGUF model. Unless `quantization` is "none", matrices of the types jinfer multiplies
-    quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay as their blocks; any other type is dequantized
+    quantized (`_KEPT`) stay as their blocks; any other type is dequantized
     (logged); "int8" quantizes the float matrices (`assemble_params`)."""
     keep_quantized = quantization != "none"
     reader = read_gguf(path)

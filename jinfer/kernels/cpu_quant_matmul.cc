@@ -7,16 +7,17 @@
 //   Q4_1  32 inputs: d, m, q 4 bits                              w = d q + m
 //   Q4_K  256 inputs: d, dmin; per 32 sc, m (bytes), q 4 bits    w = d sc q - dmin m
 //   Q6_K  256 inputs: d; per 16 sc int8, q int8 (6 bits - 32)    w = d sc q
+//   Q5_0 is held as Q8_0 (q - 16 as int8); Q5_1 and Q5_K as Q4_1 and Q4_K with a byte per q.
 // The blocks are regrouped as the float kernel (cpu_matmul.cc) packs its rows: R rows (one vector
 // register of floats) side by side, so one load gives the R rows' integers for one input index,
 // and they are widened, scaled into float weights in registers and multiplied by each column's
 // x[k, c] into one running R-row sum per column. Activations and sums stay float32.
 //
 // Operands: blocks uint8 [ceil(M / R), K / group, R x record bytes], x float32 [K, N]
-// (row-major); attribute `format` (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K). Result: y float32
-// [R ceil(M / R), N]. A group of a block row (R rows x `group` inputs) holds each field of the
-// records in turn (jinfer/models/quantized.py), R side by side: float16 scales first, then bytes,
-// integers input index-major. 4-bit integers: per 32 inputs, byte j of a row holds input j in its
+// (row-major); attribute `format` (0 Q8_0 / Q5_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_1,
+// 6 Q5_K). Result: y float32 [R ceil(M / R), N]. A group of a block row (R rows x `group` inputs)
+// holds each field of the records in turn (jinfer/models/quantized.py), R side by side: float16
+// scales first, then bytes, integers input index-major. 4-bit integers: per 32 inputs, byte j of a row holds input j in its
 // low nibble and input j + 16 in its high one (ggml's order inside a Q4_0 / Q4_1 block).
 #include <algorithm>
 #include <cstdint>
@@ -48,12 +49,18 @@ constexpr int kSumsInFlight = 8;  // independent sums that keep the FMA units bu
 constexpr int64_t kBlocksPerTask = 64 / kRows;
 constexpr int64_t kPrefetchBytes = 4096;  // read ahead toward L2, as the float kernel does
 
-enum Format : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
+enum Format : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_1 = 5, kQ5_K = 6 };
 
 template <Format F>
-constexpr int kInputs = F == kQ4_K || F == kQ6_K ? 256 : kGroup;  // inputs per group
+constexpr int kInputs = F == kQ4_K || F == kQ6_K || F == kQ5_K ? 256 : kGroup;  // inputs per group
 template <Format F>  // bytes of one row's record (models/quantized.py: FORMATS)
-constexpr int kRecordBytes = F == kQ8_0 ? 34 : F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : F == kQ4_K ? 148 : 274;
+constexpr int kRecordBytes = F == kQ8_0   ? 34
+                             : F == kQ4_0 ? 18
+                             : F == kQ4_1 ? 20
+                             : F == kQ4_K ? 148
+                             : F == kQ6_K ? 274
+                             : F == kQ5_1 ? 36
+                                          : 276;
 template <Format F>
 constexpr int64_t kGroupBytes = int64_t{kRecordBytes<F>} * kRows;
 
@@ -114,6 +121,14 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
         for (int c = 0; c < n; ++c) acc[u][c] += w * xg[(j + u) * N + c];
       }
   };
+  // `inputs` uint8 rows of R integers at q: w = d q + m.
+  auto unsigned_bytes = [&](const uint8_t* q, Rows d, Rows m, const float* xg, int inputs) {
+    for (int j = 0; j < inputs; j += U)
+      for (int u = 0; u < U; ++u) {
+        const Rows w = __builtin_convertvector(WidenUnsigned(q + (j + u) * kRows), Rows) * d + m;
+        for (int c = 0; c < n; ++c) acc[u][c] += w * xg[(j + u) * N + c];
+      }
+  };
   // 32 inputs of 4-bit integers at q (16 rows of R bytes): w = d q + m.
   auto nibbles = [&](const uint8_t* q, Rows d, Rows m, const float* xg) {
     for (int j = 0; j < kGroup / 2; j += U)
@@ -145,6 +160,15 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
         const Rows scale = d * __builtin_convertvector(WidenUnsigned(group + (4 + s) * kRows), Rows);
         const Rows offset = dmin * __builtin_convertvector(WidenUnsigned(group + (12 + s) * kRows), Rows);
         nibbles(group + (20 + 16 * s) * kRows, scale, -offset, xg + kGroup * s * N);
+      }
+    } else if constexpr (F == kQ5_1) {
+      unsigned_bytes(group + 4 * kRows, d, Halves(group + 2 * kRows), xg, kGroup);
+    } else if constexpr (F == kQ5_K) {  // as Q4_K, with 8 x 32 inputs of bytes
+      const Rows dmin = Halves(group + 2 * kRows);
+      for (int s = 0; s < 8; ++s) {
+        const Rows scale = d * __builtin_convertvector(WidenUnsigned(group + (4 + s) * kRows), Rows);
+        const Rows offset = dmin * __builtin_convertvector(WidenUnsigned(group + (12 + s) * kRows), Rows);
+        unsigned_bytes(group + (20 + 32 * s) * kRows, scale, -offset, xg + kGroup * s * N, kGroup);
       }
     } else {  // Q6_K: d, sc[16] int8, then 16 x 16 inputs of int8
       for (int s = 0; s < 16; ++s) {
@@ -183,10 +207,11 @@ void Run(ffi::ThreadPool& pool, const uint8_t* blocks, const float* x, float* y,
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::F32> y, int32_t format) {
   const auto bd = blocks.dimensions(), xd = x.dimensions(), yd = y->dimensions();
-  const int64_t group_bytes[] = {kGroupBytes<kQ8_0>, kGroupBytes<kQ4_0>, kGroupBytes<kQ4_1>,
-                                 kGroupBytes<kQ4_K>, kGroupBytes<kQ6_K>};
-  const int64_t inputs[] = {kInputs<kQ8_0>, kInputs<kQ4_0>, kInputs<kQ4_1>, kInputs<kQ4_K>, kInputs<kQ6_K>};
-  if (format < 0 || format > 4)
+  const int64_t group_bytes[] = {kGroupBytes<kQ8_0>, kGroupBytes<kQ4_0>, kGroupBytes<kQ4_1>, kGroupBytes<kQ4_K>,
+                                 kGroupBytes<kQ6_K>, kGroupBytes<kQ5_1>, kGroupBytes<kQ5_K>};
+  const int64_t inputs[] = {kInputs<kQ8_0>, kInputs<kQ4_0>, kInputs<kQ4_1>, kInputs<kQ4_K>,
+                            kInputs<kQ6_K>, kInputs<kQ5_1>, kInputs<kQ5_K>};
+  if (format < 0 || format > 6)
     return ffi::Error::InvalidArgument("jinfer cpu quantized matmul: unknown format " + std::to_string(format));
   if (bd.size() != 3 || bd[2] != group_bytes[format] || xd.size() != 2 || xd[0] != inputs[format] * bd[1] ||
       yd[0] != kRows * bd[0] || yd[1] != xd[1])
@@ -202,6 +227,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer
   if (format == kQ4_1) Run<kQ4_1>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   if (format == kQ4_K) Run<kQ4_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   if (format == kQ6_K) Run<kQ6_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ5_1) Run<kQ5_1>(pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ5_K) Run<kQ5_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   return ffi::Error::Success();
 }
 

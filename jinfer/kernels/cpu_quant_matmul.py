@@ -1,5 +1,5 @@
 """The CPU quantized matmul kernel (`cpu_quant_matmul.cc`): a few columns times a weight matrix
-held as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks, dequantized in registers.
+held as Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks, dequantized in registers.
 
 The blocks' layout (R rows side by side per group of 32 inputs, R = `block_rows()`) is made by
 `jinfer.models.quantized`, which also owns the formats; this module only calls the kernel.
@@ -21,7 +21,17 @@ from jinfer.kernels import register_cpu_kernel
 log = logging.getLogger(__name__)
 
 TARGET = "jinfer_cpu_quant_matmul"
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q6_k": 4}  # the kernel's `format` attribute
+# q5_0's record is q8_0's (its integers - 16 as int8), so the same code multiplies it.
+FORMAT_CODES = {
+    "q8_0": 0,
+    "q5_0": 0,
+    "q4_0": 1,
+    "q4_1": 2,
+    "q4_k": 3,
+    "q6_k": 4,
+    "q5_1": 5,
+    "q5_k": 6,
+}  # the kernel's `format` attribute
 
 
 @functools.cache

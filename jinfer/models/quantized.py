@@ -8,6 +8,9 @@
              held as bytes), 4-bit q:  w = d sc q - dmin m            148 / 256 (file: 144)
     q6_k     256 inputs: float16 d; per 16: int8 sc; 6-bit q - 32
              (held as int8):  w = d sc q                              274 / 256 (file: 210)
+    q5_0, q5_1, q5_k   as q8_0 (q - 16), q4_1 and q4_k with 5-bit q
+             held as bytes                                  34 / 32, 36 / 32, 276 / 256
+                                                            (file: 22, 24, 176)
 
 These are ggml's blocks (GGUF's tensors of those types); int8 weights made at load from float
 ones (`quantize_int8`) are q8_0 blocks whose rows repeat one scale. A loader hands them over as
@@ -69,7 +72,27 @@ FORMATS = {
     ),
     # 16 x 16 inputs: w = d sc[s] q (sc int8, q the 6-bit integer - 32 as int8)
     "q6_k": QuantFormat("q6_k", 256, (("d", 1, 2), ("sc", 16, 1), ("q", 256, 1)), 210),
+    # 5-bit integers held as bytes: q5_0 w = d q (q - 16 as int8: q8_0's record), q5_1 w = d q + m,
+    # q5_k as q4_k
+    "q5_0": QuantFormat("q5_0", 32, (("d", 1, 2), ("q", 32, 1)), 22),
+    "q5_1": QuantFormat("q5_1", 32, (("d", 1, 2), ("m", 1, 2), ("q", 32, 1)), 24),
+    "q5_k": QuantFormat(
+        "q5_k", 256, (("d", 1, 2), ("dmin", 1, 2), ("sc", 8, 1), ("m", 8, 1), ("q", 256, 1)), 176
+    ),
 }
+
+
+def _five_bits(low: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """4-bit integers and their fifth bits (0/1), both in input order -> the 5-bit integers."""
+    return low | (bits << 4)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's 12 bytes of 6-bit sub-block scales and offsets per K-quant block -> [blocks, 8] each."""
+    low, high, both = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([low & 63, (both & 15) | ((low >> 2) & 48)], axis=1)
+    m = np.concatenate([high & 63, (both >> 4) | ((high >> 2) & 48)], axis=1)
+    return sc, m
 
 
 def records_from_ggml(format: QuantFormat, raw: np.ndarray) -> np.ndarray:
@@ -79,14 +102,25 @@ def records_from_ggml(format: QuantFormat, raw: np.ndarray) -> np.ndarray:
         return raw
     rows = raw.shape[0]
     blocks = raw.reshape(-1, format.ggml_block_bytes)
-    if format.name == "q4_k":
-        d, scales, qs = blocks[:, :4], blocks[:, 4:16].reshape(-1, 3, 4), blocks[:, 16:]
-        low, high, both = scales[:, 0], scales[:, 1], scales[:, 2]  # ggml's 6-bit packing
-        sc = np.concatenate([low & 63, (both & 15) | ((low >> 2) & 48)], axis=1)
-        m = np.concatenate([high & 63, (both >> 4) | ((high >> 2) & 48)], axis=1)
-        values = np.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], axis=2).reshape(-1, 8, 32)
-        nibbles = (values[:, :, :16] | (values[:, :, 16:] << 4)).reshape(-1, 128)
-        records = np.concatenate([d, sc, m, nibbles], axis=1)
+    if format.name in ("q4_k", "q5_k"):
+        d, (sc, m) = blocks[:, :4], _k_scales(blocks[:, 4:16])
+        qs = blocks[:, -128:].reshape(-1, 4, 32)  # per 64 inputs: low nibbles, then high ones
+        values = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
+        if format.name == "q4_k":
+            q = (values[:, :, :16] | (values[:, :, 16:] << 4)).reshape(-1, 128)
+        else:  # qh: bit s of byte l is input 32 s + l's fifth bit
+            qh = blocks[:, 16:48]
+            bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+            q = _five_bits(values, bits).reshape(-1, 256)
+        records = np.concatenate([d, sc, m, q], axis=1)
+    elif format.name in ("q5_0", "q5_1"):
+        header = 2 if format.name == "q5_0" else 4
+        d, qh, qs = blocks[:, :header], blocks[:, header : header + 4], blocks[:, header + 4 :]
+        bits = (qh.copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # input i: bit i
+        q = _five_bits(np.concatenate([qs & 15, qs >> 4], axis=1), bits.astype(np.uint8))
+        if format.name == "q5_0":
+            q = (q.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+        records = np.concatenate([d, q], axis=1)
     else:  # q6_k
         ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:]
         low = np.stack([ql.reshape(-1, 2, 64) & 15, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
@@ -303,16 +337,19 @@ def _dequantize_blocks(blocks: jax.Array, format: str) -> jax.Array:
         q = field[name].reshape(nblocks, groups, -1, 16, r)
         return jnp.concatenate([q & 15, q >> 4], axis=3).reshape(nblocks, groups, -1, r).astype(jnp.float32)
 
-    if format == "q8_0":
+    if format in ("q8_0", "q5_0"):
         values = halves("d") * each("q", jnp.int8).astype(jnp.float32)
+    elif format == "q5_1":
+        values = halves("d") * each("q", jnp.uint8).astype(jnp.float32) + halves("m")
     elif format == "q4_0":
         values = halves("d") * (nibbles("q") - 8.0)
     elif format == "q4_1":
         values = halves("d") * nibbles("q") + halves("m")
-    elif format == "q4_k":
+    elif format in ("q4_k", "q5_k"):
         scale = (halves("d") * each("sc", jnp.uint8).astype(jnp.float32))[:, :, :, None]  # [B, G, 8, 1, R]
         offset = (halves("dmin") * each("m", jnp.uint8).astype(jnp.float32))[:, :, :, None]
-        q = nibbles("q").reshape(nblocks, groups, 8, 32, r)
+        q = nibbles("q") if format == "q4_k" else each("q", jnp.uint8).astype(jnp.float32)
+        q = q.reshape(nblocks, groups, 8, 32, r)
         values = (scale * q - offset).reshape(nblocks, groups, -1, r)
     else:  # q6_k
         scale = (halves("d") * each("sc", jnp.int8).astype(jnp.float32))[:, :, :, None]  # [B, G, 16, 1, R]
