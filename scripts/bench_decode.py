@@ -115,19 +115,26 @@ class LlamaCpp:
     not the benchmark: `decode` returns None from then on and `failure` says why."""
 
     def __init__(self, path: str, context: int = 512):
+        self.load_s = self._start(_llama_cpp_worker, path, context)
+
+    def decode(self, tokens: int, prompt: str | list[int] = PROMPT) -> float | None:
+        return self._ask((tokens, prompt))
+
+    def _start(self, worker, *args):
+        """Start `worker(conn, *args)` in a process of its own; return its first message."""
         spawn = multiprocessing.get_context("spawn")  # no fork of a process running XLA's threads
         self._conn, child_end = spawn.Pipe()
-        self._process = spawn.Process(target=_llama_cpp_worker, args=(child_end, path, context), daemon=True)
+        self._process = spawn.Process(target=worker, args=(child_end, *args), daemon=True)
         self._process.start()
         child_end.close()
         self.failure: str | None = None
-        self.load_s = self._receive()
+        return self._receive()
 
-    def decode(self, tokens: int, prompt: str | list[int] = PROMPT) -> float | None:
+    def _ask(self, message):
         if self.failure:
             return None
         with contextlib.suppress(OSError):  # the worker is gone: _receive says how it ended
-            self._conn.send((tokens, prompt))
+            self._conn.send(message)
         return self._receive()
 
     def _receive(self) -> float | None:

@@ -24,8 +24,6 @@ it only jinfer's figures are printed. Writes results/bench_quantized.{json,md}.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -66,35 +64,15 @@ def jinfer_decode(llm: jinfer.LLM, slots: int, tokens: int) -> float:
     return slots * (tokens - 1) / (generate(tokens) - prefill)
 
 
-class LlamaCppBatch:
+class LlamaCppBatch(LlamaCpp):
     """llama.cpp decoding `BATCH` sequences in one batch per step, in a process of its own:
     decode tokens/s summed over the sequences (None once its process has died)."""
 
     def __init__(self, path: str, prompt_ids: list[int], context: int = 512):
-        spawn = multiprocessing.get_context("spawn")
-        self._conn, child_end = spawn.Pipe()
-        args = (child_end, path, prompt_ids, context)
-        self._process = spawn.Process(target=_batch_worker, args=args, daemon=True)
-        self._process.start()
-        child_end.close()
-        self.failure: str | None = None
-        self._receive()
+        self._start(_batch_worker, path, prompt_ids, context)
 
     def decode(self, tokens: int) -> float | None:
-        if self.failure:
-            return None
-        with contextlib.suppress(OSError):
-            self._conn.send(tokens)
-        return self._receive()
-
-    def _receive(self):
-        try:
-            return self._conn.recv()
-        except (EOFError, OSError):
-            self._process.join()
-            self.failure = f"llama.cpp's batch process ended (exit code {self._process.exitcode})"
-            progress(f"{self.failure}: its figures are left out")
-            return None
+        return self._ask(tokens)
 
 
 def _batch_worker(conn, path: str, prompt_ids: list[int], context: int) -> None:

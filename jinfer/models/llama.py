@@ -26,6 +26,9 @@ Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode
     a copy packed for jinfer's few-column kernel, which products of up to 32 columns use (decode
     steps, short prompt chunks; XLA:CPU's GEMM runs 2-16 columns below the bandwidth); longer
     prompt chunks keep XLA's dot.
+  * A matrix may instead be held quantized (`models.quantized`: a GGUF's blocks, or int8 made at
+    load), multiplied by jinfer's quantized kernel for as many columns, dequantized inside the
+    step for more; the embedding's rows are then gathered from its blocks.
   * `jax.named_scope`s (qkv_proj, kv_write, attention, out_proj, mlp, logits) label the compiled
     ops so a profile can be read per part of the model.
 
@@ -96,7 +99,7 @@ def _packed_product(w: jax.Array | PackedWeight, x: jax.Array, out_dims: tuple[i
     return cpu_matmul.matmul(w.packed, x, math.prod(out_dims)).reshape(*out_dims, x.shape[1])
 
 
-Weight = jax.Array | PackedWeight | quantized.QuantizedWeight
+Weight = jax.Array | PackedWeight | quantized.QuantizedWeight | quantized.StackedWeight
 
 
 def project(w: Weight, x: jax.Array, input_dims: int = 1) -> jax.Array:
