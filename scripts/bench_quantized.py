@@ -8,14 +8,15 @@ ratios mean much):
     dequantized to float32 (`quantization=none`), and llama.cpp (llama-cpp-python);
   * the same on a Q8_0 GGUF written by llama.cpp's own quantizer from its F32 conversion, and on a
     Q4_K_M GGUF (Q4_K and Q6_K blocks) of a random-weight Llama-shaped model of 230M weights whose
-    widths are whole 256-input blocks (SmolLM2's 576 are not: llama.cpp's Q4_K_M of it falls back
-    to other types);
+    widths are whole 256-input blocks, and SmolLM2's Q4_K_M (its width 576 is not: llama.cpp falls
+    back to Q5_0 and Q8_0 there);
   * 8 sequences decoding at once: jinfer's 8 slots against llama.cpp decoding 8 sequences in one
     `llama_decode` batch per step (its low-level API, greedy on each sequence's logits);
+  * greedy tokens of jinfer quantized and dequantized, compared (identical is expected);
   * MBU: the bytes a step reads (the quantized blocks as held, plus K/V) / step time / the memory
     bandwidth measured in the same run; and the compiles during the measured rounds (must be 0).
 
-    python scripts/bench_quantized.py [--rounds 5] [--tokens 64] [--files q4_1,q8_0,q4_k_m] [--out results]
+    python scripts/bench_quantized.py [--rounds 5] [--tokens 64] [--files q4_1,...] [--out results]
 
 llama.cpp: `pip install llama-cpp-python==0.3.36` (compiles it, ~10 minutes on 2 cores); without
 it only jinfer's figures are printed. Writes results/bench_quantized.{json,md}.
@@ -168,6 +169,8 @@ def bench_file(label: str, path: str, args, bandwidth: float, cpp_peers: bool) -
             if rate:
                 rates.setdefault("llama.cpp", {}).setdefault(slots, []).append(rate)
     compiles = sum(llm.engine.compile_count() for llm in engines.values()) - compiles_before
+    greedy = jinfer.SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    same = len({tuple(llm.generate([PROMPT], greedy)[0].token_ids) for llm in engines.values()}) == 1
     rows = {}
     for slots in (1, BATCH):
         mine = np.array(rates["jinfer"][slots])
@@ -184,7 +187,7 @@ def bench_file(label: str, path: str, args, bandwidth: float, cpp_peers: bool) -
             row["llama_cpp_tokens_per_s"] = float(np.median(theirs))
             row["vs_llama_cpp"] = paired_ratio(mine, np.array(theirs))
         rows[slots] = row
-    return {"label": label, "path": path, "by_slots": rows, "compiles": compiles}
+    return {"label": label, "path": path, "by_slots": rows, "compiles": compiles, "greedy_identical": same}
 
 
 def report(result: dict) -> str:
@@ -210,7 +213,10 @@ def report(result: dict) -> str:
                     ratio(row["vs_llama_cpp"]) if "vs_llama_cpp" in row else "-",
                 ]
             )
-        lines.append(f"{entry['label']}: compiles during the rounds {entry['compiles']}")
+        lines.append(
+            f"{entry['label']}: compiles during the rounds {entry['compiles']}; greedy tokens identical "
+            f"to the dequantized model's: {entry['greedy_identical']}"
+        )
     return "\n".join([*lines, "", markdown_table(columns, rows)])
 
 
@@ -219,7 +225,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--files", default="q4_1,q8_0,q4_k_m", help="which of q4_1, q8_0, q4_k_m")
+    parser.add_argument(
+        "--files",
+        default="q4_1,q8_0,q4_k_m,smollm2_q4_k_m",
+        help="which of q4_1, q8_0, q4_k_m, smollm2_q4_k_m",
+    )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     ceiling = measure_ceiling()
@@ -235,6 +245,9 @@ def main() -> int:
         smollm2 = export_hf_from_gguf(default_model_path(), os.path.join(scratch, "smollm2"))
         if cpp and "q8_0" in wanted and (path := quantized_gguf(smollm2, scratch, "Q8_0")):
             files.append(bench_file("SmolLM2 Q8_0 (llama.cpp's quantizer)", path, args, bandwidth, cpp))
+        if cpp and "smollm2_q4_k_m" in wanted and (path := quantized_gguf(smollm2, scratch, "Q4_K_M")):
+            label = "SmolLM2 Q4_K_M (llama.cpp's quantizer; width 576: Q5_0 / Q8_0 fallbacks)"
+            files.append(bench_file(label, path, args, bandwidth, cpp))
         if cpp and "q4_k_m" in wanted:
             llama = random_llama_dir(os.path.join(scratch, "random-llama"), smollm2)
             if path := quantized_gguf(llama, scratch, "Q4_K_M"):
