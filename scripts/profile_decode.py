@@ -1,14 +1,15 @@
 """Per-op profile of jinfer's compiled decode step, next to the bare matrix-vector ceiling.
 
-Traces a few calls of the engine's jitted decode (SmolLM2-135M, float32, all slots busy, packed
-weights as `make serve` runs it unless told otherwise) with
+Traces a few calls of the engine's jitted decode (SmolLM2-135M as `make serve` runs it: its
+GGUF's quantized blocks and the quantized kernel, float32 activations, all slots busy; with
+`--quantization none` its float32 values, packed for the packed kernel unless told otherwise) with
 `jax.profiler`, maps every executed XLA op to the model's named scopes (qkv_proj, attention,
 kv_write, out_proj, mlp, logits, sampling; the rest is "other": norms, RoPE, residuals, loop
 bookkeeping) and reports time per decode step for each, with the top ops. In the same run it
 times the weight products alone (the same matrices back to back, computed as the step computes
 them) and a 1 GiB reduction: what this CPU can do at best for the bytes a step must read.
 
-    python scripts/profile_decode.py [--slots 1,8] [--packed-weights true|false] [--out results]
+    python scripts/profile_decode.py [--slots 1,8] [--quantization auto|none] [--packed-weights true|false]
 
 Writes results/profile_decode.{json,md,png}. Profiling adds per-op overhead, so the shares are what
 to read; the unprofiled step time is printed next to them.
@@ -71,8 +72,9 @@ def op_scopes(compiled_text: str) -> dict[str, str]:
 
 def weight_products_s(params, slots: int) -> float:
     """The decode step's weight products alone, computed as the step computes them
-    (`llama.project`: the packed-weight kernel where the engine packed the weights, XLA's dot
-    otherwise): every layer matrix and the vocabulary matrix."""
+    (`llama.project`: the quantized kernel for quantized weights, the packed-weight kernel where
+    the engine packed the weights, XLA's dot otherwise): every layer matrix and the vocabulary
+    matrix."""
     weights = [params.embed if params.lm_head is None else params.lm_head]
     input_dims = [1]
     for layer in params.layers:
@@ -97,10 +99,9 @@ def weight_products_s(params, slots: int) -> float:
     return best
 
 
-def profile(slots: int, packed_weights: bool) -> dict:
-    llm = jinfer.LLM(
-        max_slots=slots, max_seq_len=512, prefill_buckets=(16,), decode_steps=4, packed_weights=packed_weights
-    )
+def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
+    options = dict(max_slots=slots, max_seq_len=512, prefill_buckets=(16,), decode_steps=4)
+    llm = jinfer.LLM(packed_weights=packed_weights, quantization=quantization, **options)
     llm.engine.warmup()
     sampling = jinfer.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     llm.generate([PROMPT] * slots, sampling)  # fill the cache and state with real requests
@@ -164,6 +165,12 @@ def main() -> int:
         default="true",
         help="decode products by the packed-weight kernel, as `make serve` runs them (default true)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: the GGUF's quantized blocks, as `make serve` holds them; none: float32 values",
+    )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     progress("measuring memory bandwidth")
@@ -171,7 +178,7 @@ def main() -> int:
     runs = []
     for slots in (int(s) for s in args.slots.split(",")):
         progress(f"profiling the decode step with {slots} slots")
-        runs.append(profile(slots, args.packed_weights == "true"))
+        runs.append(profile(slots, args.packed_weights == "true", args.quantization))
     parts = []
     for run in runs:
         total = run["profiled_op_ms"]
