@@ -1,7 +1,8 @@
 """jinfer's own checkpoint directory: the parameter pytree as an orbax checkpoint (restored
 straight into its target sharding), the model config and generation defaults as JSON beside it
 (`jinfer_checkpoint.json`), and the tokenizer's files. A quantized weight is stored as its rows of
-ggml blocks (uint8, the same on every CPU; `models.quantized`), its format and shape in the JSON."""
+records (uint8: ggml's blocks, with K-quant scales and 5/6-bit integers as whole bytes; the same
+on every CPU; `models.quantized`), its format and shape in the JSON."""
 
 from __future__ import annotations
 
