@@ -36,16 +36,19 @@ def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
     os.makedirs(directory, exist_ok=True)
     blocks = {}
 
-    def entry(w: QuantizedWeight) -> dict:
-        return {"format": w.format, "shape": list(w.shape), "stored": list(w.to_host().data.shape)}
+    def rows(w: QuantizedWeight) -> tuple[dict, np.ndarray]:
+        """The weight's records (regrouped once) and their entry in the JSON."""
+        data = w.to_host().data
+        return {"format": w.format, "shape": list(w.shape), "stored": list(data.shape)}, data
 
     def stored(path, w):
         if isinstance(w, StackedWeight):
-            blocks[path_name(path)] = {"parts": [entry(p) for p in w.parts], "axis": w.axis}
-            return tuple(p.to_host().data for p in w.parts)
+            entries, data = zip(*(rows(p) for p in w.parts), strict=True)
+            blocks[path_name(path)] = {"parts": list(entries), "axis": w.axis}
+            return tuple(data)
         if isinstance(w, QuantizedWeight):
-            blocks[path_name(path)] = entry(w)
-            return w.to_host().data
+            blocks[path_name(path)], data = rows(w)
+            return data
         return w
 
     params = jax.tree_util.tree_map_with_path(stored, loaded.params, is_leaf=quantized.is_quantized)

@@ -64,30 +64,24 @@ constexpr int kRecordBytes = F == kQ8_0   ? 34
 template <Format F>
 constexpr int64_t kGroupBytes = int64_t{kRecordBytes<F>} * kRows;
 
-// R consecutive bytes, widened to R int32 lanes (zero- or sign-extended), and R float16 -> float.
-inline Ints WidenUnsigned(const uint8_t* p) {
+// R consecutive bytes, widened to R int32 lanes (sign-extended as int8 or zero-extended), and R
+// float16 -> float.
+template <bool Signed>
+inline Ints Widen(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return (Ints)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  const __m128i bytes = _mm_loadu_si128((const __m128i*)p);
+  return (Ints)(Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #elif defined(__AVX2__)
-  return (Ints)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m128i bytes = _mm_loadl_epi64((const __m128i*)p);
+  return (Ints)(Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
   Ints v;
-  for (int r = 0; r < kRows; ++r) v[r] = p[r];
+  for (int r = 0; r < kRows; ++r) v[r] = Signed ? static_cast<int8_t>(p[r]) : p[r];
   return v;
 #endif
 }
-
-inline Ints WidenSigned(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (Ints)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
-#elif defined(__AVX2__)
-  return (Ints)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
-#else
-  Ints v;
-  for (int r = 0; r < kRows; ++r) v[r] = static_cast<int8_t>(p[r]);
-  return v;
-#endif
-}
+inline Ints WidenSigned(const uint8_t* p) { return Widen<true>(p); }
+inline Ints WidenUnsigned(const uint8_t* p) { return Widen<false>(p); }
 
 inline Rows Halves(const uint8_t* p) {
 #if defined(__AVX512F__)

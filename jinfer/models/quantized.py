@@ -255,7 +255,7 @@ class QuantizedWeight:
         fmt = FORMATS[self.format]
         blocks = np.asarray(self.blocks)
         nblocks, groups, _ = blocks.shape
-        r = blocks.shape[2] // fmt.record_bytes
+        r = _rows_per_block(blocks, fmt)
         fields = [
             field.reshape(nblocks, groups, count, r, size)
             .transpose(0, 3, 1, 2, 4)
@@ -264,6 +264,11 @@ class QuantizedWeight:
         ]
         rows = np.concatenate(fields, axis=-1).reshape(nblocks * r, -1)[: self.out_features]
         return HostBlocks(fmt, np.ascontiguousarray(rows), self.shape)
+
+
+def _rows_per_block(blocks, fmt: QuantFormat) -> int:
+    """R of a kernel-layout array [B, G, R x record]: what it was regrouped with."""
+    return blocks.shape[2] // fmt.record_bytes
 
 
 def _split_fields(blocks, fmt: QuantFormat, r: int) -> list:
@@ -324,7 +329,7 @@ def _dequantize_blocks(blocks: jax.Array, format: str) -> jax.Array:
     """blocks [B, G, R x record] -> float32 [B R, G group]."""
     fmt = FORMATS[format]
     nblocks, groups, _ = blocks.shape
-    r = block_rows()
+    r = _rows_per_block(blocks, fmt)
     field = dict(zip((name for name, _, _ in fmt.fields), _split_fields(blocks, fmt, r), strict=True))
     each = lambda name, dtype: jax.lax.bitcast_convert_type(
         field[name].reshape(nblocks, groups, -1, r), dtype
@@ -361,7 +366,7 @@ def _dequantize_blocks(blocks: jax.Array, format: str) -> jax.Array:
 def take_rows(w: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Rows `ids` [N] of the weight (an embedding's lookup) -> [N, in], dequantizing only their
     block rows."""
-    r = block_rows()
+    r = _rows_per_block(w.blocks, FORMATS[w.format])
     rows = _dequantize_blocks(w.blocks[ids // r], w.format).reshape(ids.shape[0], r, -1)
     return jnp.take_along_axis(rows, (ids % r)[:, None, None], axis=1)[:, 0].astype(dtype)
 
