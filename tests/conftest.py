@@ -14,13 +14,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 # own per CPU and jax version: an XLA:CPU executable is built for the CPU it was compiled on). A
 # first run compiles everything; later runs, and tests that build the same steps, load them.
 # JINFER_TEST_XLA_CACHE=off compiles everything every time.
-_cache_root = os.environ.get("JINFER_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jinfer"))
 if os.environ.get("JINFER_TEST_XLA_CACHE", "on") != "off":
-    from jinfer.kernels import _cpu_signature
+    from jinfer.kernels import _cpu_signature, cache_dir
 
     _key = hashlib.sha256(f"{_cpu_signature()} {jax.__version__}".encode()).hexdigest()[:12]
     _settings = {
-        "jax_compilation_cache_dir": os.path.join(_cache_root, f"xla-tests-{_key}"),
+        "jax_compilation_cache_dir": str(cache_dir() / f"xla-tests-{_key}"),
         "jax_persistent_cache_min_compile_time_secs": 0,
         "jax_compilation_cache_max_size": 2 * 2**30,  # least recently used out past it
     }

@@ -7,7 +7,6 @@ Left out: bert-bge (an encoder) and gemma-4 (its "gemma4" tokenizer model belong
 architecture jinfer does not serve); gpt-neox, aquila, baichuan and nomic-bert-moe ship no cases.
 """
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import tarfile
 
 import pytest
 
+from jinfer.kernels import cache_dir
 from jinfer.loading import load_tokenizer
 
 ARCHIVE = "llama-cpp-python==0.3.36"
@@ -38,7 +38,7 @@ SEPARATOR = "\n__ggml_vocab_test__\n"
 
 @pytest.fixture(scope="module")
 def vocab_dir() -> pathlib.Path:
-    cache = pathlib.Path(os.environ.get("JINFER_CACHE_DIR", pathlib.Path.home() / ".cache" / "jinfer"))
+    cache = cache_dir()
     target = cache / "llama-cpp-vocab-0.3.36"
     if not (target / "ggml-vocab-gpt-2.gguf.out").exists():
         download = cache / "downloads"

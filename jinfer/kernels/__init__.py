@@ -3,7 +3,7 @@
 The CPU kernels are C++ sources in this package (`<name>.cc`, sharing `cpu_common.h`), built on
 first use by `register_cpu_kernel` with the machine's C++ compiler against the XLA FFI headers that
 jaxlib ships, and registered as XLA:CPU custom calls. A build takes a few seconds once: the library
-is cached under ~/.cache/jinfer (or $JINFER_CACHE_DIR), keyed by the sources, jaxlib's version, the
+is cached in `cache_dir()` (~/.cache/jinfer), keyed by the sources, jaxlib's version, the
 compiler, this CPU's instruction set (it is built for this CPU, -march=native) and any extra flags
 in $JINFER_KERNEL_CXXFLAGS (e.g. `-mno-avx512f` for the kernels' 8-lane build). A kernel that
 cannot be built is a warning saying why; its module's `available()` is then False and the engine
@@ -47,6 +47,12 @@ def register_cpu_kernel(
     return library
 
 
+def cache_dir() -> Path:
+    """jinfer's cache folder: $JINFER_CACHE_DIR, else jinfer under $XDG_CACHE_HOME or ~/.cache."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jinfer"
+    return Path(os.environ.get("JINFER_CACHE_DIR", default))
+
+
 def _cpu_signature() -> str:
     """This CPU's instruction-set flags: a library built with -march=native runs only where they hold."""
     try:
@@ -73,13 +79,12 @@ def _build(name: str) -> Path:
         ]
     )
     key = hashlib.sha256(identity).hexdigest()[:16]
-    default_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jinfer"
-    cache_dir = Path(os.environ.get("JINFER_CACHE_DIR", default_cache))
-    library = cache_dir / f"{name}-{key}.so"
+    folder = cache_dir()
+    library = folder / f"{name}-{key}.so"
     if library.exists():
         return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
         built = Path(scratch) / library.name
         command = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
         command += [*extra_flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)]
