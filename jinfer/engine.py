@@ -8,14 +8,15 @@
 
 The loop sleeps on a condition variable when there is nothing to do (no polling). Tokens of the
 iteration just dispatched are read only after the next one is queued, so the host's detokenizing
-and bookkeeping overlap the device's work. A failing device call fails only the requests it
+and bookkeeping overlap the device's work, except while a constrained request (`jinfer.structured`)
+has a token in flight: its next allowed set depends on that token, so the iteration reads it
+before it plans. A failing device call fails only the requests it
 touched (all running ones, for decode) with a clear error; the cache is rebuilt and the engine
 keeps serving.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import threading
@@ -29,24 +30,19 @@ import numpy as np
 
 from jinfer.config import EngineConfig, dispatch_steps
 from jinfer.kv_cache import bytes_per_token
-from jinfer.layout import param_bytes, resolve_layout, why_dequantized
+from jinfer.layout import available_memory_bytes, param_bytes, resolve_layout, why_dequantized
 from jinfer.loading import LoadedModel
+from jinfer.metrics import DispatchCounts
 from jinfer.models import llama, quantized
 from jinfer.paging import KVPages, SequencePages
 from jinfer.prepare import PreparedRequest, RequestPreparer
+from jinfer.request import PrefillWork, Request, RequestOutput, deliver
 from jinfer.sampling import SamplingArrays, SamplingParams
-from jinfer.scheduler import (
-    Plan,
-    PrefillWork,
-    QueueFullError,
-    Request,
-    RequestOutput,
-    Scheduler,
-    deliver,
-)
+from jinfer.scheduler import Plan, QueueFullError, Scheduler
 from jinfer.sharding import make_mesh, place_params
 from jinfer.state import pack_chunk
 from jinfer.steps import build_steps
+from jinfer.structured import ALL_ALLOWED
 from jinfer.tokenizer import TextStream
 
 log = logging.getLogger("jinfer.engine")
@@ -54,37 +50,6 @@ log = logging.getLogger("jinfer.engine")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 __all__ = ["DispatchCounts", "Engine", "QueueFullError", "RequestOutput"]
-
-
-def available_memory_bytes(device) -> int:
-    """Free memory of an accelerator, or MemAvailable of the host for CPU devices."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot tell how much memory is available")
-
-
-@dataclasses.dataclass
-class DispatchCounts:
-    """What the device was asked to compute since the engine started: how full its batches ran.
-
-    Decode row-steps are slot rows times decode steps; `active` rows belong to a request, `idle`
-    ones pad the dispatch to its slot bucket. active / steps is the mean decode batch.
-    """
-
-    prefill_dispatches: int = 0  # prompt chunks dispatched on their own
-    prefill_tokens: int = 0  # their prompt tokens...
-    prefill_padding: int = 0  # ... and the padding up to their buckets
-    decode_dispatches: int = 0  # decode dispatches, mixed ones included
-    mixed_dispatches: int = 0  # decode dispatches that carried a prompt chunk
-    mixed_tokens: int = 0  # the prompt tokens they carried
-    decode_steps: int = 0
-    decode_active_row_steps: int = 0
-    decode_idle_row_steps: int = 0
 
 
 class Engine:
@@ -167,23 +132,23 @@ class Engine:
         start = time.perf_counter()
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
-        tables = self._tables
+        tables, allowed = self._tables, self.steps.unconstrained
         for size in self.layout.prefill_buckets:
             chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out = self.steps.prefill(
-                self.params, self.cache, self.state, tables, chunk
+                self.params, self.cache, self.state, tables, allowed, chunk
             )
         for (rows, _), decode in self.steps.decode.items():
-            active = np.zeros(rows, bool)
+            idle = np.zeros(rows, np.int32)
             self.cache, self.state, out = decode(
-                self.params, self.cache, self.state, tables, active, np.False_
+                self.params, self.cache, self.state, tables, allowed, idle, np.False_
             )
         for (rows, _), mixed in self.steps.mixed.items():
-            active = np.zeros(rows, bool)
+            idle = np.zeros(rows, np.int32)
             size = self.layout.mixed_chunk_len(rows)
             chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out, _ = mixed(
-                self.params, self.cache, self.state, tables, active, np.False_, chunk
+                self.params, self.cache, self.state, tables, allowed, idle, np.False_, chunk
             )
         self.state = self.steps.history(self.state, self._history_arrays(0, [], 0))
         self.cache = self.steps.clear_pages(self.cache, self._page_list([]))
@@ -232,6 +197,7 @@ class Engine:
             stream=TextStream(self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ())),
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
             kv=SequencePages(salt=prepared.cache_salt),
+            constraint=prepared.grammar.start() if prepared.grammar is not None else None,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:
@@ -280,7 +246,12 @@ class Engine:
             self.step()
 
     def step(self) -> None:
-        """One iteration: plan, dispatch, then commit what the previous iteration produced."""
+        """One iteration: plan, dispatch, then commit what the previous iteration produced (before
+        planning, when a constrained request is waiting for its token)."""
+        if any(r is not None and r.constraint is not None for owners, _ in self._pending for r in owners):
+            previous, self._pending = self._pending, []
+            for owners, out in previous:
+                self._commit(owners, out)
         with self._lock:
             plan = self.scheduler.plan()
             self._lock.notify_all()  # the queue may have room now
@@ -304,12 +275,14 @@ class Engine:
         if self._tables_version != self.kv.version:
             # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
             self._tables, self._tables_version = self.steps.put_tables(self.kv.tables.copy()), self.kv.version
+        allowed = self._allowed(plan)
         for work in plan.prefills:
             size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
             try:
                 self._set_history(work)
+                chunk = self._chunk_arrays(work, size)
                 self.cache, self.state, out = self.steps.prefill(
-                    self.params, self.cache, self.state, self._tables, self._chunk_arrays(work, size)
+                    self.params, self.cache, self.state, self._tables, allowed, chunk
                 )
             except Exception as e:  # a device failure must not kill the engine
                 self._recover([work.request], e)
@@ -324,7 +297,8 @@ class Engine:
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
         rows = self.layout.slot_bucket(busy[-1] + 1)
         owners = plan.decode_owners[:rows]
-        active = np.array([r is not None for r in owners])
+        steps = dispatch_steps(self.layout.decode_steps, mixed=plan.fused is not None)
+        row_steps = np.array([0 if r is None else r.dispatch_tokens(steps) for r in owners], np.int32)
         running = [r for r in owners if r is not None]
         want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in running))
         # The device may be one dispatch ahead of what the host has read, and this dispatch adds
@@ -340,7 +314,7 @@ class Engine:
         try:
             if fused is not None:
                 self._set_history(fused)
-            args = (self.params, self.cache, self.state, self._tables, active, want_logprobs)
+            args = (self.params, self.cache, self.state, self._tables, allowed, row_steps, want_logprobs)
             if fused is None:
                 self.cache, self.state, out = self.steps.decode[rows, attn_len](*args)
             else:
@@ -349,11 +323,10 @@ class Engine:
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)
             return dispatched
-        steps = dispatch_steps(self.layout.decode_steps, mixed=fused is not None)
         counts.decode_dispatches += 1
         counts.decode_steps += steps
-        counts.decode_active_row_steps += len(running) * steps
-        counts.decode_idle_row_steps += (rows - len(running)) * steps
+        counts.decode_active_row_steps += int(row_steps.sum())
+        counts.decode_idle_row_steps += rows * steps - int(row_steps.sum())
         if fused is not None:
             counts.mixed_dispatches += 1
             counts.mixed_tokens += len(fused.tokens)
@@ -361,6 +334,20 @@ class Engine:
         if fused is not None and fused.last:
             dispatched.append(([fused.request], chunk_out))
         return dispatched
+
+    def _allowed(self, plan: Plan):
+        """The allowed-token bitmask of every slot the plan samples for: each constrained request's
+        next allowed set in its slot's row (the device's every-bit-set array when there is none)."""
+        sampled = [w.request for w in (*plan.prefills, plan.fused) if w is not None and w.last]
+        constrained = [
+            r for r in (*sampled, *plan.decode_owners) if r is not None and r.constraint is not None
+        ]
+        if not constrained:
+            return self.steps.unconstrained
+        allowed = np.full(self.steps.unconstrained.shape, ALL_ALLOWED, np.int32)  # fresh: see put_allowed
+        for request in constrained:
+            request.constraint.fill(allowed[request.slot])
+        return self.steps.put_allowed(allowed)
 
     def _chunk_arrays(self, work: PrefillWork, size: int):
         """One prompt chunk packed for the device, padded to `size` tokens."""

@@ -274,3 +274,15 @@ def resolve_layout(
 
 def param_bytes(params) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def available_memory_bytes(device) -> int:
+    """Free memory of an accelerator, or MemAvailable of the host for CPU devices."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot tell how much memory is available")

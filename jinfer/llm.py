@@ -23,8 +23,8 @@ from jinfer.engine import Engine
 from jinfer.loading import default_model_path, load_model
 from jinfer.models import llama
 from jinfer.prepare import PreparedRequest
+from jinfer.request import RequestOutput
 from jinfer.sampling import SamplingParams
-from jinfer.scheduler import RequestOutput
 
 MIN_SCORE_BUCKET = 16
 

@@ -10,16 +10,33 @@ registry, so several servers (or tests) in one process do not collide.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-if TYPE_CHECKING:  # the engine is the server's to import; metrics only reads its counters
-    from jinfer.engine import DispatchCounts
-
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclasses.dataclass
+class DispatchCounts:
+    """What the device was asked to compute since the engine started: how full its batches ran.
+
+    Decode row-steps are slot rows times decode steps; `active` rows belong to a request, `idle`
+    ones pad the dispatch to its slot bucket. active / steps is the mean decode batch.
+    """
+
+    prefill_dispatches: int = 0  # prompt chunks dispatched on their own
+    prefill_tokens: int = 0  # their prompt tokens...
+    prefill_padding: int = 0  # ... and the padding up to their buckets
+    decode_dispatches: int = 0  # decode dispatches, mixed ones included
+    mixed_dispatches: int = 0  # decode dispatches that carried a prompt chunk
+    mixed_tokens: int = 0  # the prompt tokens they carried
+    decode_steps: int = 0
+    decode_active_row_steps: int = 0
+    decode_idle_row_steps: int = 0
 
 
 class _DispatchCollector:

@@ -4,6 +4,7 @@
     sampling (SamplingParams, knobs maybe unset)            -> resolved against the model's defaults
     context policy (request's, else the engine's)            -> ids and max_tokens fitted to the window
     device limits (vocabulary, logit-bias and stop-id slots) -> checked here, before the engine
+    constraint (json_schema / regex / grammar)               -> compiled once per distinct one
 
 A `PreparedRequest` is what the engine accepts; everything wrong with a request is a
 `RequestError` (a ValueError naming the field) or a `ContextLengthError` raised here, so nothing
@@ -24,6 +25,7 @@ from typing import Any
 
 from jinfer.config import CONTEXT_POLICIES, MAX_LOGIT_BIAS, MAX_STOP_IDS
 from jinfer.sampling import RequestError, SamplingParams
+from jinfer.structured import CompiledGrammar, Grammars
 from jinfer.tokenizer import Tokenizer, TokenizerError
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -52,6 +54,7 @@ class PreparedRequest:
     dropped_prompt_tokens: int = 0  # context_policy="truncate"
     dropped_messages: int = 0  # context_policy="drop_oldest"
     cache_salt: str | None = None  # the prefix cache finds its prompt only for requests with the same
+    grammar: CompiledGrammar | None = None  # the sampling's constraint, compiled (`jinfer.structured`)
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -120,6 +123,7 @@ class RequestPreparer:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampling_defaults = dict(sampling_defaults)
         self.context_policy = context_policy
+        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)
 
     # ------------------------------------------------------------------------------ parts
     def sampling(self, sampling: SamplingParams | None) -> SamplingParams:
@@ -208,8 +212,9 @@ class RequestPreparer:
         stop_ids = frozenset(sampling.stop_token_ids or ()) | eos
         if len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}", "stop_token_ids")
+        grammar = self.grammars.compile(sampling)
         return PreparedRequest(
-            ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages, cache_salt
+            ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages, cache_salt, grammar
         )
 
     def _fit(self, ids: list[int], max_tokens: int | None, policy: str) -> tuple[list[int], int, int]:

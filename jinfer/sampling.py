@@ -5,12 +5,14 @@ so one compiled step serves any mix of settings. Per-request randomness comes fr
 seed folded with the token position: a row's draw never depends on its neighbours or its row.
 
     logits [B, V] -> penalties (repetition / presence / frequency) -> + logit_bias
+        -> constrained rows: -inf outside the allowed tokens
         -> greedy rows: argmax | sampled rows: / temperature -> top-k -> top-p -> min-p -> categorical
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,6 +65,12 @@ class SamplingParams:
     ignore_eos: bool = setting(False, "keep generating past end-of-sequence tokens")
     min_tokens: int = setting(0, "tokens to generate before a stop token may end the output")
     logprobs: int | None = None  # number of top alternatives to report per token (0: chosen only)
+    # Constrained output (at most one; `jinfer.structured`): JSON valid against a JSON schema (an
+    # object, or its JSON text), text matching a regular expression (Rust regex syntax), or text
+    # following a grammar (Lark, or llama.cpp's GBNF).
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         _validate(self)
@@ -133,12 +141,34 @@ def _validate(p: SamplingParams) -> None:
         if not isinstance(p.stop, Sequence) or not all(isinstance(s, str) and s for s in p.stop):
             raise RequestError(f"stop must be non-empty strings, got {_short(p.stop)}", "stop")
         object.__setattr__(p, "stop", tuple(p.stop))
+    _validate_constraint(p)
     if p.stop_token_ids is not None:
         if not isinstance(p.stop_token_ids, Sequence) or isinstance(p.stop_token_ids, str):
             raise RequestError("stop_token_ids must be a list of token ids", "stop_token_ids")
         for token in p.stop_token_ids:
             integer("stop_token_ids entry", token, 0)
         object.__setattr__(p, "stop_token_ids", tuple(p.stop_token_ids))
+
+
+def _validate_constraint(p: SamplingParams) -> None:
+    """Types only: whether a schema, expression or grammar compiles is for `jinfer.structured`."""
+    given = [name for name in ("json_schema", "regex", "grammar") if getattr(p, name) is not None]
+    if len(given) > 1:
+        raise RequestError(f"give at most one of json_schema, regex and grammar, not {given}", given[1])
+    for name in ("regex", "grammar"):
+        value = getattr(p, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise RequestError(f"{name} must be a non-empty string, got {_short(value)}", name)
+    schema = p.json_schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise RequestError(f"json_schema is not valid JSON: {e}", "json_schema") from None
+    if schema is not None and not isinstance(schema, dict | bool):
+        raise RequestError(
+            f"json_schema must be a JSON schema (an object), got {_short(schema)}", "json_schema"
+        )
 
 
 def _finite_number(value) -> bool:
@@ -198,6 +228,19 @@ def apply_penalties(
     counts = output_counts.astype(jnp.float32)
     logits = logits - s.frequency_penalty[:, None] * counts
     return logits - s.presence_penalty[:, None] * (counts > 0)
+
+
+def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """-inf for the tokens each row may not take: allowed [B, ceil(V / 32)] int32 holds token t's
+    permission in bit t % 32 of word t // 32 (`jinfer.structured`). A batch whose every bit is set
+    (no row constrained) skips the unpacking (`lax.cond`)."""
+
+    def apply():
+        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+        permitted = bits.reshape(allowed.shape[0], -1)[:, : logits.shape[-1]] != 0
+        return jnp.where(permitted, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(allowed == -1), lambda: logits, apply)
 
 
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:

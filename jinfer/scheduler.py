@@ -30,32 +30,19 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import numpy as np
 
 from jinfer.config import dispatch_steps
-from jinfer.paging import KVPages, SequencePages
-from jinfer.sampling import SamplingParams
-from jinfer.tokenizer import TextStream, Tokenizer
+from jinfer.paging import KVPages
+from jinfer.request import Event, PrefillWork, Request, RequestOutput, deliver
+from jinfer.tokenizer import Tokenizer
+
+__all__ = ["Plan", "QueueFullError", "Request", "RequestOutput", "Scheduler", "deliver"]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the request was not accepted."""
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """One event for a request's sink: new text and tokens, and the outcome once finished."""
-
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[str, Any]] | None = None
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-    metrics: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -64,101 +51,6 @@ class Committed:
 
     events: list[Event]
     poisoned_pages: list[int]  # pages that may now hold NaN/inf: zero them before anyone reuses them
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_tokens: int  # resolved: never past the context window
-    stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
-    seed: int
-    sink: Callable[[RequestOutput], None]
-    stream: TextStream
-    dropped_prompt_tokens: int = 0
-    kv: SequencePages = dataclasses.field(default_factory=SequencePages)
-    slot: int | None = None
-    # What a slot's prefill computes: the prompt, or after a preemption the prompt and the output
-    # so far (`generated_before` tokens of it); `prefilled` of them are in the cache.
-    prefill_ids: list[int] = dataclasses.field(default_factory=list)
-    generated_before: int = 0
-    prefilled: int = 0
-    first_chunk_start: int = 0  # where this admission's first computed chunk starts
-    in_flight: int = 0  # output tokens that dispatched, not yet committed work may still produce
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    finished: bool = False
-    cancelled: bool = False
-    admissions: int = 0  # the scheduler's admission count when it last got a slot (latest: preempted first)
-    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
-    preemptions: int = 0
-    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
-    admitted_at: float | None = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
-
-    @property
-    def running(self) -> bool:
-        """In a slot with its whole prefill done: decoded by every decode dispatch."""
-        return self.slot is not None and self.prefilled == len(self.prefill_ids) and not self.finished
-
-    @property
-    def wants_decode(self) -> bool:
-        """Running, and the tokens already in flight do not reach max_tokens: a decode dispatch for
-        a request that work on the device will surely finish would only compute discarded tokens."""
-        return self.running and len(self.output_ids) + self.in_flight < self.max_tokens
-
-    @property
-    def written(self) -> int:
-        """Positions whose K/V are written (or dispatched) from tokens the host knows: the prefill
-        so far, then every token but the last one known (its K/V come with the next step)."""
-        return max(self.prefilled, len(self.prompt_ids) + len(self.output_ids) - 1)
-
-    def capacity(self, steps: int) -> int:
-        """Positions its pages must hold for a decode dispatch of `steps` steps: the device feeds
-        the last token sampled (perhaps still in flight) and writes `steps` positions from there."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight + steps - 1
-
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def metrics(self, now: float) -> dict[str, Any]:
-        first = self.token_times[0] if self.token_times else None
-        n = len(self.output_ids)
-        decode_time = (self.token_times[-1] - first) if n > 1 else 0.0
-        return {
-            "prompt_tokens": len(self.prompt_ids),
-            "cached_prompt_tokens": self.cached_tokens or 0,
-            "completion_tokens": n,
-            "dropped_prompt_tokens": self.dropped_prompt_tokens,
-            "preemptions": self.preemptions,
-            "queue_s": (self.admitted_at or now) - self.submitted_at,
-            "ttft_s": (first - self.submitted_at) if first is not None else None,
-            "inter_token_s": list(np.diff(self.token_times)) if n > 1 else [],
-            "total_s": now - self.submitted_at,
-            "decode_tokens_per_s": (n - 1) / decode_time if decode_time > 0 else None,
-        }
-
-
-@dataclasses.dataclass
-class PrefillWork:
-    request: Request
-    slot: int
-    start: int  # position of the chunk's first token
-    tokens: list[int]  # the chunk (unpadded)
-    last: bool  # the final chunk: its sampled token is the request's next output token
-    first: bool  # the first chunk this admission computes (the slot's penalty history is set then)
-
-
-class Event(NamedTuple):
-    """An output for a request's sink, to be delivered by the caller (`deliver`)."""
-
-    sink: Callable[[RequestOutput], None]
-    output: RequestOutput
-
-
-def deliver(events: list[Event]) -> None:
-    for sink, output in events:
-        sink(output)
 
 
 @dataclasses.dataclass
@@ -269,10 +161,10 @@ class Scheduler:
     def _in_flight(self, plan: Plan) -> Plan:
         """Count the tokens the plan's decode dispatch will produce for each of its requests: one
         step when it carries a prompt chunk, `decode_steps` otherwise. Attach the plan's events."""
-        tokens = dispatch_steps(self.decode_steps, mixed=plan.fused is not None)
+        steps = dispatch_steps(self.decode_steps, mixed=plan.fused is not None)
         for request in plan.decode_owners:
             if request is not None:
-                request.in_flight += tokens
+                request.in_flight += request.dispatch_tokens(steps)
         plan.events, self._events = self._events, []
         return plan
 
@@ -371,8 +263,11 @@ class Scheduler:
         for row, request in enumerate(owners):
             if request is None:
                 continue
-            request.in_flight -= len(tokens_by_row[row])
-            for step, (token, is_bad) in enumerate(zip(tokens_by_row[row], bad_by_row[row], strict=True)):
+            taken = request.dispatch_tokens(len(tokens_by_row[row]))
+            request.in_flight -= taken
+            for step, (token, is_bad) in enumerate(
+                zip(tokens_by_row[row][:taken], bad_by_row[row], strict=False)
+            ):
                 if request.finished:
                     break
                 entry = None
@@ -407,11 +302,15 @@ class Scheduler:
         if token in request.stop_ids and len(request.output_ids) >= request.sampling.min_tokens:
             self._finish(request, "stop")
             return
+        if request.constraint is not None and not request.constraint.accept(token):
+            message = f"constrained decoding: token {token} is outside the {request.constraint.kind}"
+            self._finish(request, "error", error=f"{message}: {request.constraint.error}")
+            return
         request.output_ids.append(token)
         request.token_times.append(now)
         text, stopped = request.stream.add(token)
         event = RequestOutput(request.request_id, text, [token], [logprob] if logprob is not None else None)
-        if stopped:
+        if stopped or (request.constraint is not None and request.constraint.complete):
             self._finish(request, "stop", event)
         elif len(request.output_ids) >= request.max_tokens:
             self._finish(request, "length", event)

@@ -3,18 +3,21 @@
 Three verbs touch the paged KV cache, all with the cache and slot state donated, all reading the
 host's block tables [slots, max_pages] (not donated: the host re-uploads them when they change):
 
-  prefill(params, cache, state, tables, chunk) -> cache, state, out
+  prefill(params, cache, state, tables, allowed, chunk) -> cache, state, out
       One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
       sequence's pages, at positions start.. (so a long prompt is just several chunks, each
       attending to the ones before it, and a prompt whose first pages came from the prefix cache
       starts past them). The last real position's logits give the request's first token, sampled
       on device; the slot's state row is (re)initialised from the request (sampling knobs, logit
       bias, stop ids, how many tokens it generated before a preemption).
-  decode[rows, attn_len](params, cache, state, tables, active, want_logprobs) -> cache, state, out
+  decode[rows, attn_len](params, cache, state, tables, allowed, row_steps, want_logprobs)
+      -> cache, state, out
       `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
       slot's last token, samples the next one per slot and keeps it on device for the following
-      step. Inactive slots among them compute too (shapes are fixed) but neither write nor advance.
-  mixed[rows, attn_len](params, cache, state, tables, active, want_logprobs, chunk)
+      step. Slot i takes part in the first row_steps[i] steps (0: inactive; 1: a constrained
+      request, whose next allowed tokens the host must compute first); a slot not taking part
+      computes too (shapes are fixed) but neither writes nor advances.
+  mixed[rows, attn_len](params, cache, state, tables, allowed, row_steps, want_logprobs, chunk)
       -> ..., out, chunk_out
       One decode step that also prefills a prompt chunk (padded to `mixed_chunk_len(rows)`) into
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
@@ -33,6 +36,11 @@ an attention kernel, which reads only each row's filled part itself, there is on
 Log-probs are computed under `lax.cond` when some request asks for them, so they cost nothing
 otherwise and need no compiled variant of their own.
 
+Every verb samples under `allowed` [slots, ceil(V / 32)] int32, each slot's allowed-token bitmask
+(`jinfer.structured`; all bits set for a slot without a constraint), applied only when some row is
+constrained (`lax.cond`); a constrained slot takes one step per dispatch, so its bitmask is that
+step's.
+
 Only int32 tokens, per-slot flags and (when asked) log-probs leave the device; the engine reads
 them one iteration late so the host overlaps the device.
 """
@@ -44,6 +52,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -51,10 +60,11 @@ from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
-from jinfer.sampling import apply_penalties, sample, token_logprobs
+from jinfer.sampling import apply_penalties, mask_disallowed, sample, token_logprobs
 from jinfer.sharding import DATA, MODEL
 from jinfer.state import PackedChunk, PrefillChunk, SlotState, new_state
 from jinfer.state import state_shardings as slot_state_shardings
+from jinfer.structured import ALL_ALLOWED, mask_words
 
 TOP_LOGPROBS = 20  # alternatives computed when any request wants logprobs (OpenAI's maximum)
 
@@ -71,10 +81,13 @@ class StepOutput:
 
 
 @jax.named_scope("sampling")
-def _choose(logits, prompt_mask, counts, bias, banned, sampling, positions, want_logprobs):
-    """Process raw logits [B, V] and pick one token per row; log-probs are of the raw distribution."""
+def _choose(logits, prompt_mask, counts, bias, banned, allowed, sampling, positions, want_logprobs):
+    """Process raw logits [B, V] and pick one token per row among its allowed ones (allowed [B, W]
+    bitmask, or None: every token); log-probs are of the raw distribution."""
     processed = apply_penalties(logits, prompt_mask, counts, sampling) + bias
     processed = jnp.where(banned, -jnp.inf, processed)
+    if allowed is not None:
+        processed = mask_disallowed(processed, allowed)
     token = sample(processed, sampling, positions)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     rows = logits.shape[0]
@@ -107,7 +120,7 @@ def _no_logits(vocab: int) -> jax.Array:
     return jnp.zeros((1, vocab), jnp.float32)
 
 
-def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab: int):
+def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, allowed: jax.Array, vocab: int):
     """Sample a token from a prompt chunk's last logits [1, V] and (re)initialise the slot's state row.
 
     The token sampled after a prompt's last chunk is the request's next output token (the first,
@@ -127,6 +140,7 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab:
         counts_row[None],
         bias_row[None],
         banned,
+        allowed[slot][None],
         chunk.sampling,
         position[None],
         chunk.want_logprobs,
@@ -148,7 +162,7 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, vocab:
     return state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _prefill(params, cache: KVCache, state: SlotState, tables, packed: PackedChunk, *, cfg, vocab):
+def _prefill(params, cache: KVCache, state: SlotState, tables, allowed, packed: PackedChunk, *, cfg, vocab):
     chunk = packed.unpack()
     (hidden,), cache = llama.forward_groups(params, (_chunk_group(chunk),), cfg, cache, tables)
     logits = jax.lax.cond(
@@ -156,7 +170,7 @@ def _prefill(params, cache: KVCache, state: SlotState, tables, packed: PackedChu
         lambda: llama.logits(params, _last_real(hidden, chunk))[:, :vocab],
         lambda: _no_logits(vocab),
     )  # [1, V]
-    state, out = _start_slot(state, chunk, logits, vocab)
+    state, out = _start_slot(state, chunk, logits, allowed, vocab)
     return cache, state, out
 
 
@@ -176,11 +190,24 @@ def _history(state: SlotState, packed: jax.Array, *, vocab):
 
 
 def _decode_step(
-    params, cache, state, tables, active, want_logprobs, chunk, *, cfg, vocab, attn_len, attention_kernel
+    params,
+    cache,
+    state,
+    tables,
+    active,
+    allowed,
+    want_logprobs,
+    chunk,
+    *,
+    cfg,
+    vocab,
+    attn_len,
+    attention_kernel,
 ):
-    """One decode step for the state's rows (slots 0..rows-1), carrying a prompt chunk when there is
-    one: every weight is read once for both. Returns the cache, the rows' state, their output
-    [rows] and the chunk's last logits [1, V] (None without a chunk)."""
+    """One decode step for the state's rows (slots 0..rows-1; active [rows] bool, allowed [rows, W]
+    or None), carrying a prompt chunk when there is one: every weight is read once for both.
+    Returns the cache, the rows' state, their output [rows] and the chunk's last logits [1, V]
+    (None without a chunk)."""
     rows = active.shape[0]
     groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
     if chunk is not None:
@@ -209,6 +236,7 @@ def _decode_step(
         state.counts,
         state.bias,
         banned,
+        allowed,
         state.sampling,
         state.positions + 1,
         want_logprobs,
@@ -232,41 +260,67 @@ def _put_rows(full: SlotState, part: SlotState) -> SlotState:
     return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
 
 
-def _decode(params, cache, state, tables, active, want_logprobs, *, steps, **step_options):
-    """`steps` decode steps for slots 0..rows-1 (`lax.scan`): the cache, the state and the output
+def _decode(params, cache, state, tables, allowed, row_steps, want_logprobs, *, steps, **step_options):
+    """`steps` decode steps for slots 0..rows-1 (`lax.scan`), slot i in the first row_steps[i] of
+    them, the allowed-token bitmask applied to the first: the cache, the state and the output
     [steps, rows]."""
+    rows = row_steps.shape[0]
 
-    def scan_step(carry, _):
+    def scan_step(carry, step):
+        # A constrained row takes the first step only, so its bitmask may stand for every step.
         cache, rows_state = carry
         cache, rows_state, out, _ = _decode_step(
-            params, cache, rows_state, tables, active, want_logprobs, None, **step_options
+            params,
+            cache,
+            rows_state,
+            tables,
+            row_steps > step,
+            allowed[:rows],
+            want_logprobs,
+            None,
+            **step_options,
         )
         return (cache, rows_state), out
 
-    carry = (cache, _rows(state, active.shape[0]))
-    (cache, rows_state), outs = jax.lax.scan(scan_step, carry, None, length=steps)
+    carry = (cache, _rows(state, rows))
+    (cache, rows_state), outs = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
     return cache, _put_rows(state, rows_state), outs
 
 
 def _mixed(
-    params, cache, state, tables, active, want_logprobs, packed: PackedChunk, *, vocab, **step_options
+    params,
+    cache,
+    state,
+    tables,
+    allowed,
+    row_steps,
+    want_logprobs,
+    packed: PackedChunk,
+    *,
+    vocab,
+    **step_options,
 ):
-    """One decode step for slots 0..rows-1 that also prefills a prompt chunk into another slot:
-    the cache, the state, the decode output [1, rows] and the chunk's output [1, 1]."""
+    """One decode step for slots 0..rows-1 (those with row_steps > 0) that also prefills a prompt
+    chunk into another slot: the cache, the state, the decode output [1, rows] and the chunk's
+    output [1, 1]."""
     chunk = packed.unpack()
+    rows = row_steps.shape[0]
     cache, rows_state, out, chunk_logits = _decode_step(
         params,
         cache,
-        _rows(state, active.shape[0]),
+        _rows(state, rows),
         tables,
-        active,
+        row_steps > 0,
+        allowed[:rows],
         want_logprobs,
         chunk,
         vocab=vocab,
         **step_options,
     )
     state = _put_rows(state, rows_state)
-    state, chunk_out = _start_slot(state, chunk, chunk_logits, vocab)  # after the decode rows' update
+    state, chunk_out = _start_slot(
+        state, chunk, chunk_logits, allowed, vocab
+    )  # after the decode rows' update
     return cache, state, jax.tree.map(lambda x: x[None], out), chunk_out
 
 
@@ -291,6 +345,8 @@ class Steps:
     cache_sharding: NamedSharding
     state_shardings: SlotState
     tables_sharding: NamedSharding
+    allowed_sharding: NamedSharding
+    unconstrained: jax.Array  # [slots, W] int32, every bit set: the bitmask when no slot is constrained
 
     attention_kernel = property(lambda self: self.layout.attention_kernel)
     attention_buckets = property(lambda self: self.layout.attention_buckets)
@@ -312,6 +368,11 @@ class Steps:
     def put_tables(self, tables) -> jax.Array:
         """The host's block tables [slots, max_pages] on the device."""
         return jax.device_put(tables, self.tables_sharding)
+
+    def put_allowed(self, allowed: np.ndarray) -> jax.Array:
+        """The host's allowed-token bitmask [slots, W] on the device (the host must not change
+        `allowed` afterwards: on a CPU the device array may share its buffer)."""
+        return jax.device_put(allowed, self.allowed_sharding)
 
 
 def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings, vocab_size: int) -> Steps:
@@ -335,7 +396,7 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
         chunk = (replicated,) if mixed else ()
         return jax.jit(
             fn,
-            in_shardings=(param_shardings, *carried, replicated, by_slot, replicated, *chunk),
+            in_shardings=(param_shardings, *carried, replicated, by_slot, by_slot, replicated, *chunk),
             out_shardings=(*carried, replicated, *chunk),
             donate_argnums=(1, 2),
         )
@@ -353,7 +414,7 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
         mesh=mesh,
         prefill=jax.jit(
             partial(_prefill, **common),
-            in_shardings=(param_shardings, *carried, replicated, replicated),
+            in_shardings=(param_shardings, *carried, replicated, by_slot, replicated),
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         ),
@@ -374,4 +435,8 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
         cache_sharding=cache_sharding,
         state_shardings=state_shardings,
         tables_sharding=replicated,
+        allowed_sharding=by_slot,
+        unconstrained=jax.device_put(
+            np.full((layout.max_slots, mask_words(vocab_size)), ALL_ALLOWED, np.int32), by_slot
+        ),
     )

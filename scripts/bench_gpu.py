@@ -122,7 +122,7 @@ def bench_prefill(cfg, steps, params, dtype, tokens: int, calls: int, peak_flop_
     chunk, tables = prompt_chunk(cfg, tokens), tables_of(steps)
 
     def call(carried):
-        cache, state, out = steps.prefill(params, *carried, tables, chunk)
+        cache, state, out = steps.prefill(params, *carried, tables, steps.unconstrained, chunk)
         return (cache, state), out
 
     best = best_time(call, fresh(steps, dtype), calls)
@@ -143,13 +143,13 @@ def busy_state(steps, dtype, context: int):
 
 def time_decode(decode, steps, params, dtype, slots: int, args) -> float:
     """Seconds per decode step: `args.calls` back-to-back calls after one that compiles."""
-    active, tables = jnp.ones((slots,), bool), tables_of(steps)
+    row_steps, tables = jnp.full((slots,), steps.layout.decode_steps, jnp.int32), tables_of(steps)
     cache, state = busy_state(steps, dtype, args.context)
-    cache, state, out = decode(params, cache, state, tables, active, False)
+    cache, state, out = decode(params, cache, state, tables, steps.unconstrained, row_steps, False)
     out.tokens.block_until_ready()
     start = time.perf_counter()
     for _ in range(args.calls):
-        cache, state, out = decode(params, cache, state, tables, active, False)
+        cache, state, out = decode(params, cache, state, tables, steps.unconstrained, row_steps, False)
     out.tokens.block_until_ready()
     return (time.perf_counter() - start) / (args.calls * steps.layout.decode_steps)
 
@@ -167,20 +167,23 @@ def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> 
     bucket = steps.attention_bucket(args.context + args.calls + 1)
     size = engine.mixed_chunk_len(slots)
     # The chunk goes to the last slot, which the decode step does not advance.
-    active = jnp.arange(slots) < slots - 1
+    row_steps = (jnp.arange(slots) < slots - 1).astype(jnp.int32)
     chunk, tables = prompt_chunk(cfg, size, slot=slots - 1), tables_of(steps)
+    allowed = steps.unconstrained
     progress(f"mixed prefill at {slots} slots: a {size}-token chunk in a decode step")
 
     def decode(carried):
-        cache, state, out = steps.decode[slots, bucket](params, *carried, tables, active, False)
+        cache, state, out = steps.decode[slots, bucket](params, *carried, tables, allowed, row_steps, False)
         return (cache, state), out
 
     def mixed(carried):
-        cache, state, out, _ = steps.mixed[slots, bucket](params, *carried, tables, active, False, chunk)
+        cache, state, out, _ = steps.mixed[slots, bucket](
+            params, *carried, tables, allowed, row_steps, False, chunk
+        )
         return (cache, state), out
 
     def prefill(carried):
-        cache, state, out = steps.prefill(params, *carried, tables, chunk)
+        cache, state, out = steps.prefill(params, *carried, tables, allowed, chunk)
         return (cache, state), out
 
     times = {

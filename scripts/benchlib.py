@@ -109,13 +109,15 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
     if tables.max() >= layout.num_pages:
         raise ValueError("time_decode_calls needs a pool of max_slots x max_seq_len positions")
     tables = engine.steps.put_tables(tables)
-    active = np.ones(slots, bool)
+    row_steps = np.full(slots, layout.decode_steps, np.int32)  # every slot, every step
     cache, state = engine.cache, engine.state
     if position is not None:
         state = state.replace(positions=jnp.full_like(state.positions, position))
     start = time.perf_counter()
     for _ in range(calls):
-        cache, state, out = decode(engine.params, cache, state, tables, active, np.False_)
+        cache, state, out = decode(
+            engine.params, cache, state, tables, engine.steps.unconstrained, row_steps, np.False_
+        )
     out.tokens.block_until_ready()
     engine.cache, engine.state = cache, state
     return (time.perf_counter() - start) / (calls * engine.layout.decode_steps)

@@ -111,18 +111,21 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
     reach = len(llm.tokenizer.encode(PROMPT)) + 32 + (2 + 2 * CALLS) * engine.layout.decode_steps
     bucket = engine.steps.attention_bucket(reach)
     decode = engine.steps.decode[slots, bucket]
-    active = jnp.ones((slots,), bool)
     layout = engine.layout
+    row_steps = jnp.full((slots,), layout.decode_steps, jnp.int32)  # every slot, every step
+    allowed = engine.steps.unconstrained
     tables = engine.steps.put_tables(contiguous_tables(slots, layout.max_seq_len, layout.page_size))
     scopes = op_scopes(
-        decode.lower(engine.params, engine.cache, engine.state, tables, active, False).compile().as_text()
+        decode.lower(engine.params, engine.cache, engine.state, tables, allowed, row_steps, False)
+        .compile()
+        .as_text()
     )
     cache, state = engine.cache, engine.state
 
     def run(calls):
         nonlocal cache, state
         for _ in range(calls):
-            cache, state, out = decode(engine.params, cache, state, tables, active, False)
+            cache, state, out = decode(engine.params, cache, state, tables, allowed, row_steps, False)
         out.tokens.block_until_ready()
 
     run(2)

@@ -28,11 +28,13 @@ from jinfer.engine import Engine
 from jinfer.metrics import ServingMetrics
 from jinfer.prepare import ContextLengthError, PreparedRequest, RequestError, check_messages, check_text
 from jinfer.scheduler import QueueFullError
+from jinfer.structured import constraint_of
 
 from .bridge import EngineBridge
 from .protocol import (
     APIError,
     GenerationRequest,
+    api_param,
     now,
     parse_generation,
     parse_json_object,
@@ -167,12 +169,20 @@ class JinferAPI(ResponseWriter):
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, str(e), param=api_param(e.param)) from None
 
-    def _open_all(self, req: GenerationRequest, queue: asyncio.Queue) -> tuple[list[str], list[int]]:
+    async def _prepared(self, req: GenerationRequest) -> PreparedRequest:
+        """The request prepared; off the event loop when it has a constraint to compile (bounded
+        by the grammar library's limits, yet long enough to hold up every other connection)."""
+        if constraint_of(req.sampling) is None:
+            return self._prepare(req)
+        return await asyncio.to_thread(self._prepare, req)
+
+    def _open_all(
+        self, req: GenerationRequest, prepared: PreparedRequest, queue: asyncio.Queue
+    ) -> tuple[list[str], list[int]]:
         """Submit the n choices; on any failure cancel the ones already submitted. Choice i of n
         gets seed + i, so seeded n > 1 requests give n different, reproducible answers."""
-        prepared = self._prepare(req)
         seed = prepared.sampling.seed
         opened: list[str] = []
         try:
@@ -257,7 +267,7 @@ class JinferAPI(ResponseWriter):
         req = parse_generation(await self._body(request), kind)
         self._check_model(req.model)
         queue: asyncio.Queue = asyncio.Queue()
-        request_ids, prompt_ids = self._open_all(req, queue)
+        request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
             stream = self._sse(req, queue, request_ids, prompt_ids)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -293,7 +303,7 @@ class JinferAPI(ResponseWriter):
                     req = parse_generation(body, message["type"])
                     self._check_model(req.model)
                     queue: asyncio.Queue = asyncio.Queue()
-                    request_ids, prompt_ids = self._open_all(req, queue)
+                    request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
                 except APIError as e:
                     await ws.send_json({"type": "error", "id": client_id, "error": e.body()["error"]})
                     continue

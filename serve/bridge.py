@@ -14,7 +14,7 @@ from typing import Any
 
 from jinfer.engine import Engine
 from jinfer.prepare import PreparedRequest
-from jinfer.scheduler import RequestOutput
+from jinfer.request import RequestOutput
 
 
 class EngineBridge:

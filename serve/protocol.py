@@ -176,9 +176,52 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
 )
 
+
+def _constraint(body) -> dict[str, Any]:
+    """SamplingParams' constraint fields from OpenAI's `response_format` ({"type": "text"},
+    {"type": "json_object"}: any JSON object, {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}: JSON valid against the schema, which is always enforced) and jinfer's
+    own `regex` and `grammar` (Lark or GBNF) fields."""
+    out = {name: body[name] for name in ("regex", "grammar") if body.get(name) is not None}
+    response_format = body.get("response_format")
+    if response_format is None:
+        return out
+    if not isinstance(response_format, dict):
+        raise APIError(400, "'response_format' must be an object with a 'type'", param="response_format")
+    kind = response_format.get("type")
+    if kind == "json_object":
+        out["json_schema"] = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise APIError(
+                400,
+                "'response_format.json_schema' must be an object with a 'name' and a 'schema'",
+                param="response_format",
+            )
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise APIError(
+                400, "'response_format.json_schema.schema' must be an object", param="response_format"
+            )
+        out["json_schema"] = schema
+    elif kind != "text":
+        raise APIError(
+            400,
+            f"'response_format.type' must be text, json_object or json_schema, got {str(kind)[:40]!r}",
+            param="response_format",
+        )
+    return out
+
+
 # OpenAI's legacy completions endpoint defines max_tokens=16 when a request leaves it out; chat
 # (and every other door of jinfer) runs to a stop or the end of the context window.
 LEGACY_COMPLETIONS_MAX_TOKENS = 16
+
+
+def api_param(param: str | None) -> str | None:
+    """The request body's name for a SamplingParams field (a schema comes in `response_format`)."""
+    return "response_format" if param == "json_schema" else param
 
 
 def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
@@ -234,9 +277,10 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
             stop=_string_list(body, "stop"),
             logprobs=logprobs,
             **fields,
+            **_constraint(body),
         )
     except RequestError as e:
-        raise APIError(400, str(e), param=e.param) from None
+        raise APIError(400, str(e), param=api_param(e.param)) from None
     return GenerationRequest(
         kind=kind,
         model=model,

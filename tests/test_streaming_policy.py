@@ -7,7 +7,7 @@ import pytest
 from tiny import train_tokenizer
 
 from jinfer import SamplingParams, load_tokenizer
-from jinfer.scheduler import RequestOutput
+from jinfer.request import RequestOutput
 from jinfer_serve.app import JinferAPI
 from jinfer_serve.protocol import GenerationRequest
 from jinfer_serve.settings import ServerConfig

@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import sentencepiece as spm
-from tiny import CHATML, CORPUS, train_tokenizer
+from tiny import CHATML, train_sentencepiece, train_tokenizer
 
 from jinfer import load_tokenizer
 from jinfer.tokenizer import IncrementalDetokenizer, TokenizerError
@@ -39,19 +39,7 @@ def hf_dir(tmp_path_factory):
 def sp_dir(tmp_path_factory):
     """A SentencePiece BPE model with byte fallback, trained on the fixed corpus."""
     directory = str(tmp_path_factory.mktemp("sp_tok"))
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 50 + TEXTS),
-        model_prefix=os.path.join(directory, "tokenizer"),
-        model_type="bpe",
-        vocab_size=400,
-        byte_fallback=True,
-        character_coverage=0.9995,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        split_digits=True,
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
+    train_sentencepiece(directory, TEXTS)
     return directory
 
 

@@ -120,6 +120,25 @@ def train_tokenizer(directory: str) -> None:
         json.dump(config, f)
 
 
+def train_sentencepiece(directory: str, extra_texts=()) -> None:
+    """A SentencePiece BPE tokenizer.model with byte fallback, trained on CORPUS (+ extra_texts)."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 50 + list(extra_texts)),
+        model_prefix=os.path.join(directory, "tokenizer"),
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        character_coverage=0.9995,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+
+
 def build_hf_model(family: str, directory: str, seed: int = 0):
     """Save a random transformers model of `family` and a tokenizer into `directory`; return the model."""
     import torch

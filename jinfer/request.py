@@ -1,0 +1,138 @@
+"""What the host knows of one request while it runs: `Request` (its ids, settings, pages, progress
+and timings, kept by the scheduler), the `RequestOutput` events its sink receives, and the
+`PrefillWork` the scheduler plans for it.
+
+Plain Python: the scheduler (`jinfer.scheduler`) owns every change to a request; the engine and
+the server read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jinfer.paging import SequencePages
+from jinfer.sampling import SamplingParams
+from jinfer.structured import Constraint
+from jinfer.tokenizer import TextStream
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One event for a request's sink: new text and tokens, and the outcome once finished."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # resolved: never past the context window
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
+    seed: int
+    sink: Callable[[RequestOutput], None]
+    stream: TextStream
+    dropped_prompt_tokens: int = 0
+    kv: SequencePages = dataclasses.field(default_factory=SequencePages)
+    constraint: Constraint | None = None  # its output's grammar: one token per dispatch, known first
+    slot: int | None = None
+    # What a slot's prefill computes: the prompt, or after a preemption the prompt and the output
+    # so far (`generated_before` tokens of it); `prefilled` of them are in the cache.
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)
+    generated_before: int = 0
+    prefilled: int = 0
+    first_chunk_start: int = 0  # where this admission's first computed chunk starts
+    in_flight: int = 0  # output tokens that dispatched, not yet committed work may still produce
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    cancelled: bool = False
+    admissions: int = 0  # the scheduler's admission count when it last got a slot (latest: preempted first)
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
+    preemptions: int = 0
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        """In a slot with its whole prefill done: decoded by every decode dispatch."""
+        return self.slot is not None and self.prefilled == len(self.prefill_ids) and not self.finished
+
+    @property
+    def wants_decode(self) -> bool:
+        """Running, and the tokens already in flight do not reach max_tokens: a decode dispatch for
+        a request that work on the device will surely finish would only compute discarded tokens.
+        A constrained request also waits for its token in flight: its next allowed set depends on it."""
+        if self.constraint is not None and self.in_flight:
+            return False
+        return self.running and len(self.output_ids) + self.in_flight < self.max_tokens
+
+    def dispatch_tokens(self, steps: int) -> int:
+        """Tokens a decode dispatch of `steps` steps makes for it (one, when constrained)."""
+        return 1 if self.constraint is not None else steps
+
+    @property
+    def written(self) -> int:
+        """Positions whose K/V are written (or dispatched) from tokens the host knows: the prefill
+        so far, then every token but the last one known (its K/V come with the next step)."""
+        return max(self.prefilled, len(self.prompt_ids) + len(self.output_ids) - 1)
+
+    def capacity(self, steps: int) -> int:
+        """Positions its pages must hold for a decode dispatch of `steps` steps: the device feeds
+        the last token sampled (perhaps still in flight) and writes `steps` positions from there."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight + steps - 1
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def metrics(self, now: float) -> dict[str, Any]:
+        first = self.token_times[0] if self.token_times else None
+        n = len(self.output_ids)
+        decode_time = (self.token_times[-1] - first) if n > 1 else 0.0
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "cached_prompt_tokens": self.cached_tokens or 0,
+            "completion_tokens": n,
+            "dropped_prompt_tokens": self.dropped_prompt_tokens,
+            "preemptions": self.preemptions,
+            "queue_s": (self.admitted_at or now) - self.submitted_at,
+            "ttft_s": (first - self.submitted_at) if first is not None else None,
+            "inter_token_s": list(np.diff(self.token_times)) if n > 1 else [],
+            "total_s": now - self.submitted_at,
+            "decode_tokens_per_s": (n - 1) / decode_time if decode_time > 0 else None,
+        }
+
+
+@dataclasses.dataclass
+class PrefillWork:
+    request: Request
+    slot: int
+    start: int  # position of the chunk's first token
+    tokens: list[int]  # the chunk (unpadded)
+    last: bool  # the final chunk: its sampled token is the request's next output token
+    first: bool  # the first chunk this admission computes (the slot's penalty history is set then)
+
+
+class Event(NamedTuple):
+    """An output for a request's sink, to be delivered by the caller (`deliver`)."""
+
+    sink: Callable[[RequestOutput], None]
+    output: RequestOutput
+
+
+def deliver(events: list[Event]) -> None:
+    for sink, output in events:
+        sink(output)

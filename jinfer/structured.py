@@ -1,0 +1,214 @@
+"""Constrained decoding: a request's output held to a JSON schema, a regular expression or a grammar.
+
+The host's half. `Grammars` (one per engine, built on its tokenizer) turns a request's constraint
+(`SamplingParams.json_schema` / `regex` / `grammar`) into a compiled llguidance matcher once per
+distinct constraint (cached; compilation bounded by llguidance's parser limits), so a bad one is a
+`RequestError` while the request is prepared, before anything reaches the device. Each request
+then gets its own `Constraint`, a copy of the compiled matcher that the scheduler feeds every
+committed token and that writes the request's row of the allowed-token bitmask before each
+dispatch that samples for it:
+
+    allowed [slots, ceil(V / 32)] int32, bit t % 32 of word t // 32 = token t may come next
+    (-1, every bit set, for a row without a constraint)
+
+The device applies that bitmask when it samples (`jinfer.steps`); since the next mask depends on
+the token just sampled, a constrained request takes one token per dispatch, and the engine reads
+its token back before it plans the next (`jinfer.engine`). A constraint that is complete ends the
+request with "stop" without waiting for the model's end-of-sequence token; one cut by max_tokens
+ends with "length", never presented as complete.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import Any
+
+import llguidance as llg
+import numpy as np
+
+from jinfer.sampling import RequestError, SamplingParams
+from jinfer.tokenizer import HFBackend, Tokenizer
+
+ALL_ALLOWED = -1  # a bitmask word with every token allowed
+CACHED_GRAMMARS = 256  # compiled constraints kept (least recently used dropped)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's allowed-token bitmask."""
+    return -(-vocab_size // 32)
+
+
+def _parser_limits():
+    """llguidance's work limits, which bound how long compiling (and each mask) can take: its
+    defaults, stated here so that they are a decision of ours."""
+    return llg.LLParserLimits(
+        initial_lexer_fuel=1_000_000,  # ~20 ms of regex analysis at compile time
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        max_lexer_states=250_000,
+        max_grammar_size=500_000,
+        verbose_errors=False,  # errors go back to the client: no parser state in them
+    )
+
+
+def _llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids):
+    """The tokenizer as llguidance sees it: every id's bytes, the end-of-sequence ids."""
+    eos = list(eos_token_ids) or None
+    backend = tokenizer._backend
+    if isinstance(backend, HFBackend):
+        return llg.LLTokenizer(backend.tok.to_str(), n_vocab=vocab_size, eos_token=eos)
+    return llg.LLTokenizer(_SentencePieceTokens(backend.sp, eos), n_vocab=vocab_size, eos_token=eos)
+
+
+class _SentencePieceTokens:
+    """A SentencePiece model in the shape llguidance's TokenizerWrapper reads: each piece's bytes
+    (U+2581 is a space, <0xNN> pieces their byte, control pieces nothing) and an encode call.
+
+    llguidance encodes the text a grammar forces into tokens; SentencePiece's own encode would add
+    its dummy-prefix space in front, so this encodes by longest match over the pieces' bytes
+    (byte pieces cover the rest)."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, sp, eos):
+        self.sp = sp
+        self.eos_token_id = eos[0] if eos else sp.eos_id()
+        self.bos_token_id = sp.bos_id() if sp.bos_id() >= 0 else None
+        self.tokens = [self._bytes(i) for i in range(sp.get_piece_size())]
+        self.special_token_ids = [i for i in range(sp.get_piece_size()) if sp.is_control(i)]
+        self._ids = {}
+        for i, piece in enumerate(self.tokens):
+            if piece and (piece not in self._ids or sp.is_byte(self._ids[piece])):
+                self._ids[piece] = i  # a whole piece rather than its byte piece
+        self._longest = max(map(len, self._ids))
+
+    def _bytes(self, i: int) -> bytes:
+        piece = self.sp.id_to_piece(i)
+        if self.sp.is_byte(i):
+            return bytes([int(piece[3:5], 16)])
+        if self.sp.is_control(i) or self.sp.is_unknown(i):
+            return b""
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids, at = [], 0
+        while at < len(data):
+            for length in range(min(self._longest, len(data) - at), 0, -1):
+                if (token := self._ids.get(data[at : at + length])) is not None:
+                    ids.append(token)
+                    at += length
+                    break
+            else:  # a byte no piece covers (a model without byte fallback)
+                ids.append(self.sp.unk_id())
+                at += 1
+        return ids
+
+
+def constraint_of(sampling: SamplingParams) -> tuple[str, str] | None:
+    """(kind, text) of a request's constraint, or None: the key its compiled grammar is cached by."""
+    if sampling.json_schema is not None:
+        schema = sampling.json_schema
+        return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)  # key order kept
+    if sampling.regex is not None:
+        return "regex", sampling.regex
+    if sampling.grammar is not None:
+        return "grammar", sampling.grammar
+    return None
+
+
+class Grammars:
+    """Compiles requests' constraints for one tokenizer, each distinct one once (LRU cached)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._llg_tokenizer = None  # built on the first constrained request (~0.3 s for 49k tokens)
+        self._compiled: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
+        self._lock = threading.Lock()  # servers prepare requests on several threads
+
+    def compile(self, sampling: SamplingParams) -> CompiledGrammar | None:
+        """The request's compiled constraint (None without one); RequestError naming the field
+        when the schema, expression or grammar is invalid or beyond the parser's limits."""
+        key = constraint_of(sampling)
+        if key is None:
+            return None
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        compiled = CompiledGrammar(self._matcher(*key), key[0])
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _matcher(self, kind: str, text: str):
+        with self._lock:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = _llguidance_tokenizer(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+        try:
+            if kind == "json_schema":
+                grammar = llg.LLMatcher.grammar_from_json_schema(
+                    text,
+                    defaults={"whitespace_flexible": False},  # compact JSON: no runs of blanks
+                )
+            elif kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(text)
+            else:
+                grammar = llg.grammar_from("grammar", text)  # Lark, or GBNF (converted to Lark)
+        except (ValueError, RuntimeError) as e:
+            raise RequestError(f"invalid {kind}: {e}", kind) from None
+        matcher = llg.LLMatcher(self._llg_tokenizer, grammar, log_level=0, limits=_parser_limits())
+        if matcher.is_error():
+            raise RequestError(f"invalid {kind}: {_first_line(matcher.get_error())}", kind)
+        return matcher
+
+
+def _first_line(message: str) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else "rejected by the grammar compiler"
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+class CompiledGrammar:
+    """A compiled constraint, shared by every request that asks for it; `start` copies it."""
+
+    def __init__(self, matcher, kind: str):
+        self._matcher = matcher
+        self.kind = kind
+
+    def start(self) -> Constraint:
+        return Constraint(self._matcher.deep_copy(), self.kind)
+
+
+class Constraint:
+    """One request's place in its grammar: fed each output token, writes the next allowed set."""
+
+    def __init__(self, matcher, kind: str):
+        self._matcher = matcher
+        self.kind = kind
+
+    def accept(self, token: int) -> bool:
+        """Advance past an output token; False if the grammar does not allow it."""
+        return self._matcher.consume_token(token)
+
+    @property
+    def complete(self) -> bool:
+        """Nothing but the end of the output can follow."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return _first_line(self._matcher.get_error())
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the allowed-token bitmask of the next token into `row` [words] int32."""
+        if not row.flags["C_CONTIGUOUS"] or row.dtype != np.int32:
+            raise ValueError("an allowed-token row must be a contiguous int32 array")
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
