@@ -194,7 +194,10 @@ class Engine:
             stop_ids=prepared.stop_ids,
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(32),
             sink=sink,
-            stream=TextStream(self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ())),
+            # With tools, special tokens stay in the text: some conventions mark calls with one.
+            stream=TextStream(
+                self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ()), prepared.tools is None
+            ),
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
             kv=SequencePages(salt=prepared.cache_salt),
             constraint=prepared.grammar.start() if prepared.grammar is not None else None,

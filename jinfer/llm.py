@@ -25,6 +25,7 @@ from jinfer.models import llama
 from jinfer.prepare import PreparedRequest
 from jinfer.request import RequestOutput
 from jinfer.sampling import SamplingParams
+from jinfer.tools import ToolCall
 
 MIN_SCORE_BUCKET = 16
 
@@ -38,6 +39,8 @@ class Completion:
     logprobs: list[dict[str, Any]] | None = None  # per token: {"token_id", "logprob", "top": {id: logprob}}
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # chat with tools: text = the rest
+    # (finish_reason "tool_calls" when the output is calls)
 
 
 class _Collector:
@@ -130,15 +133,22 @@ class LLM:
         conversations: Sequence[Sequence[dict[str, Any]]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         context_policy: str | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[Completion]:
         """Answer each conversation (a list of {"role", "content"} messages) via the chat template.
 
         With context_policy="drop_oldest", whole early non-system messages are dropped until the
-        conversation fits; `metrics["dropped_messages"]` says how many.
+        conversation fits; `metrics["dropped_messages"]` says how many. `tools`, `tool_choice`
+        and `parallel_tool_calls` are OpenAI's (`jinfer.tools`); calls the model makes come back
+        parsed in `Completion.tool_calls`, with finish_reason "tool_calls".
         """
         per = self._per_prompt(sampling, len(conversations))
+        options = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
         items = [
-            self.preparer.prepare(messages=list(m), sampling=s, context_policy=context_policy)
+            self.preparer.prepare(messages=list(m), sampling=s, context_policy=context_policy, **options)
             for m, s in zip(conversations, per, strict=True)
         ]
         return self._run_all(items)
@@ -170,6 +180,10 @@ class LLM:
                 if collector.final is not None:
                     completion = collector.completion(request.prompt_ids)
                     completion.metrics["dropped_messages"] = prepared.dropped_messages
+                    parsed = prepared.tools.parse(completion.text) if prepared.tools else None
+                    if parsed is not None and completion.finish_reason == "stop":
+                        completion.text, completion.tool_calls = parsed
+                        completion.finish_reason = "tool_calls"
                     yield collector.index, completion
                 else:
                     still.append((request, collector, prepared))

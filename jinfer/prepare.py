@@ -5,6 +5,7 @@
     context policy (request's, else the engine's)            -> ids and max_tokens fitted to the window
     device limits (vocabulary, logit-bias and stop-id slots) -> checked here, before the engine
     constraint (json_schema / regex / grammar)               -> compiled once per distinct one
+    tools and tool_choice (chat)                             -> in the prompt; a required call's grammar
 
 A `PreparedRequest` is what the engine accepts; everything wrong with a request is a
 `RequestError` (a ValueError naming the field) or a `ContextLengthError` raised here, so nothing
@@ -25,8 +26,17 @@ from typing import Any
 
 from jinfer.config import CONTEXT_POLICIES, MAX_LOGIT_BIAS, MAX_STOP_IDS
 from jinfer.sampling import RequestError, SamplingParams
-from jinfer.structured import CompiledGrammar, Grammars
+from jinfer.structured import CompiledGrammar, Grammars, constraint_of
 from jinfer.tokenizer import Tokenizer, TokenizerError
+from jinfer.tools import (
+    Tool,
+    ToolUse,
+    check_tool_calls,
+    convention_of,
+    conversation_for,
+    parse_tool_choice,
+    parse_tools,
+)
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -55,6 +65,7 @@ class PreparedRequest:
     dropped_messages: int = 0  # context_policy="drop_oldest"
     cache_salt: str | None = None  # the prefix cache finds its prompt only for requests with the same
     grammar: CompiledGrammar | None = None  # the sampling's constraint, compiled (`jinfer.structured`)
+    tools: ToolUse | None = None  # how to read tool calls in the output (`jinfer.tools`)
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -86,7 +97,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
                 f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", "messages"
             )
         content = message.get("content")
-        if content is None and role == "assistant":
+        if content is None and role == "assistant":  # e.g. a turn that only called tools
             content = ""
         elif isinstance(content, list):  # content parts: only text is supported
             texts = []
@@ -100,6 +111,10 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         clean = {"role": role, "content": content}
         if message.get("name") is not None:
             clean["name"] = check_text(message["name"], f"{where}.name")
+        if role == "assistant" and message.get("tool_calls") is not None:
+            clean["tool_calls"] = check_tool_calls(message["tool_calls"], where)
+        if role == "tool":
+            clean["tool_call_id"] = check_text(message.get("tool_call_id", ""), f"{where}.tool_call_id")
         out.append(clean)
     return out
 
@@ -160,13 +175,20 @@ class RequestPreparer:
             raise RequestError("prompt is empty (it encodes to no tokens)", "prompt")
         return ids
 
-    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of validated messages through the model's chat template."""
+    def chat_ids(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Tool] = ()
+    ) -> list[int]:
+        """Token ids of validated messages (and the tools offered) through the model's chat
+        template; a template that knows no tools hears of them and of earlier calls from jinfer
+        (`jinfer.tools.conversation_for`)."""
         if not self.tokenizer.chat_template:
             raise RequestError("this model has no chat template; send a plain prompt instead", "messages")
+        convention, native = convention_of(self.tokenizer)
+        extra = {"tools": [t.openai() for t in tools]} if native and tools else {}
+        messages = conversation_for(messages, list(tools), convention, native)
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
             )
         except TokenizerError as e:
             raise RequestError(str(e), "messages") from None
@@ -189,10 +211,14 @@ class RequestPreparer:
         sampling: SamplingParams | None = None,
         context_policy: str | None = None,
         cache_salt: str | None = None,
+        tools: Any = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
     ) -> PreparedRequest:
         """Exactly one of `prompt` (text or ids) and `messages` (a chat). `cache_salt`: prompts
         cached under it are found only by requests with the same salt (tenants that must not
-        share the prefix cache, or measure each other's hits, use different salts)."""
+        share the prefix cache, or measure each other's hits, use different salts). `tools`,
+        `tool_choice`, `parallel_tool_calls`: OpenAI's, for a chat (`jinfer.tools`)."""
         if (prompt is None) == (messages is None):
             raise RequestError("give either a prompt or messages", "prompt")
         if cache_salt is not None and (not check_text(cache_salt, "cache_salt") or len(cache_salt) > 1024):
@@ -200,13 +226,14 @@ class RequestPreparer:
                 "cache_salt must be a non-empty string of at most 1024 characters", "cache_salt"
             )
         sampling = self.sampling(sampling)
+        offered, use, sampling = self._tools(messages, tools, tool_choice, parallel_tool_calls, sampling)
         policy = self.policy(context_policy)
         dropped_messages = 0
         if messages is None:
             ids, max_tokens, dropped_tokens = self._fit(self.prompt_ids(prompt), sampling.max_tokens, policy)
         else:
             ids, max_tokens, dropped_tokens, dropped_messages = self._fit_chat(
-                check_messages(messages), sampling.max_tokens, policy
+                check_messages(messages), sampling.max_tokens, policy, offered
             )
         eos = frozenset() if sampling.ignore_eos else self.eos_token_ids
         stop_ids = frozenset(sampling.stop_token_ids or ()) | eos
@@ -214,8 +241,36 @@ class RequestPreparer:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}", "stop_token_ids")
         grammar = self.grammars.compile(sampling)
         return PreparedRequest(
-            ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages, cache_salt, grammar
+            ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages, cache_salt, grammar, use
         )
+
+    def _tools(self, messages, tools, tool_choice, parallel: bool, sampling: SamplingParams):
+        """(the tools the prompt offers, how to read the calls, the sampling with a required call's
+        grammar): a chat's tools and tool_choice, checked."""
+        if tools is None and tool_choice is None:
+            return [], None, sampling
+        if messages is None:
+            raise RequestError("tools are for chats: give messages", "tools")
+        if tools is None:
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        if not isinstance(parallel, bool):
+            raise RequestError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+        offered = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, offered)
+        if choice == "none":
+            return [], None, sampling
+        convention = convention_of(self.tokenizer)[0]
+        if choice != "auto":
+            if constraint_of(sampling) is not None:
+                raise RequestError(
+                    f"tool_choice {choice!r} already decides the output's form; "
+                    "drop response_format / regex / grammar",
+                    "tool_choice",
+                )
+            called = offered if choice == "required" else [t for t in offered if t.name == choice]
+            grammar = convention.grammar(called, parallel and choice == "required")
+            sampling = dataclasses.replace(sampling, grammar=grammar)
+        return offered, ToolUse(convention, choice), sampling
 
     def _fit(self, ids: list[int], max_tokens: int | None, policy: str) -> tuple[list[int], int, int]:
         """(prompt ids, max_tokens within the window, prompt tokens dropped)."""
@@ -228,11 +283,11 @@ class RequestPreparer:
         keep = limit - wanted
         return ids[n - keep :], wanted, n - keep
 
-    def _fit_chat(self, messages, max_tokens, policy) -> tuple[list[int], int, int, int]:
+    def _fit_chat(self, messages, max_tokens, policy, tools) -> tuple[list[int], int, int, int]:
         """`drop_oldest` removes whole messages (never system ones, never the last) until it fits."""
         dropped = 0
         while True:
-            ids = self.chat_ids(messages)
+            ids = self.chat_ids(messages, tools=tools)
             if policy != "drop_oldest":
                 return (*self._fit(ids, max_tokens, policy), 0)
             if len(ids) + (max_tokens or 1) <= self.max_seq_len:

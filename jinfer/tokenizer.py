@@ -224,8 +224,10 @@ class IncrementalDetokenizer:
 class TextStream:
     """Token ids in, safe text deltas out: UTF-8-whole, stop strings matched across tokens."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...], skip_special_tokens=True
+    ):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stops = stops
         self.pending = ""  # decoded but not yet emitted (might begin a stop string)
         self.stopped = False  # a stop string matched: nothing after it is ever emitted

@@ -163,7 +163,10 @@ class JinferAPI(ResponseWriter):
                 "cache_salt": req.cache_salt,
             }
             if req.kind == "chat":
-                return self.preparer.prepare(messages=req.messages, **options)
+                tools = {n: getattr(req, n) for n in ("tools", "tool_choice", "parallel_tool_calls")}
+                prepared = self.preparer.prepare(messages=req.messages, **options, **tools)
+                req.tool_use = prepared.tools
+                return prepared
             return self.preparer.prepare(req.prompt, **options)
         except ContextLengthError as e:
             param = "messages" if req.kind == "chat" else "prompt"
@@ -174,7 +177,7 @@ class JinferAPI(ResponseWriter):
     async def _prepared(self, req: GenerationRequest) -> PreparedRequest:
         """The request prepared; off the event loop when it has a constraint to compile (bounded
         by the grammar library's limits, yet long enough to hold up every other connection)."""
-        if constraint_of(req.sampling) is None:
+        if constraint_of(req.sampling) is None and req.tool_choice in (None, "none", "auto"):
             return self._prepare(req)
         return await asyncio.to_thread(self._prepare, req)
 

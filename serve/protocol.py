@@ -160,6 +160,10 @@ class GenerationRequest:
     context_policy: str | None
     user: str | None
     cache_salt: str | None = None  # prompts cached under a salt are found only by requests with the same
+    tools: Any = None  # chat: OpenAI's tools, tool_choice and parallel_tool_calls (checked by jinfer.tools)
+    tool_choice: Any = None
+    parallel_tool_calls: Any = True
+    tool_use: Any = None  # set once prepared: how to read tool calls in the output (jinfer.tools.ToolUse)
 
 
 # Body fields passed to SamplingParams as they are (it checks their types and ranges).
@@ -267,6 +271,14 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise APIError(
+                400, f"'{legacy}' is OpenAI's deprecated form: send 'tools' / 'tool_choice'", param=legacy
+            )
+    tool_fields = ("tools", "tool_choice", "parallel_tool_calls")
+    if kind == "completion" and any(body.get(name) is not None for name in tool_fields):
+        raise APIError(400, "tools are for /v1/chat/completions", param="tools")
     top_k = body.get("top_k")
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     try:
@@ -295,6 +307,9 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
         context_policy=policy,
         user=user,
         cache_salt=cache_salt,
+        tools=body.get("tools"),
+        tool_choice=body.get("tool_choice"),
+        parallel_tool_calls=body.get("parallel_tool_calls", True),
     )
 
 

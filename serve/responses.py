@@ -16,6 +16,8 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jinfer.tools import ToolStream, tool_call_deltas
+
 from .protocol import GenerationRequest, format_logprobs, new_id, now, timings, usage
 
 # SSE splits lines only at CR and LF, but clients that split with str.splitlines (httpx's
@@ -63,13 +65,14 @@ class ResponseWriter:
             if req.top_logprobs is not None:
                 logprobs = format_logprobs(kind=req.kind, tokenizer=self.tokenizer, entries=choice["entries"])
             if req.kind == "chat":
+                message, reason = {"role": "assistant", "content": text}, final.finish_reason
+                parsed = req.tool_use.parse(text) if req.tool_use is not None and reason == "stop" else None
+                if parsed is not None:
+                    content, calls = parsed
+                    message = {"role": "assistant", "content": content or None}
+                    message["tool_calls"], reason = [call.openai() for call in calls], "tool_calls"
                 body_choices.append(
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": final.finish_reason,
-                    }
+                    {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
                 )
             else:
                 body_choices.append(
@@ -101,7 +104,7 @@ class ResponseWriter:
         response_id, created = new_id(req.kind), now()
         kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
-        def chunk(index, text=None, finish_reason=None, entries=None, role=False, extra=None):
+        def chunk(index, text=None, finish_reason=None, entries=None, role=False, extra=None, calls=None):
             logprobs = format_logprobs(req.kind, self.tokenizer, entries) if entries else None
             if req.kind == "chat":
                 delta = (
@@ -109,6 +112,8 @@ class ResponseWriter:
                     if role
                     else ({"content": text} if text is not None else {})
                 )
+                if calls is not None:
+                    delta = {"tool_calls": calls}
                 choice = {
                     "index": index,
                     "delta": delta,
@@ -145,6 +150,7 @@ class ResponseWriter:
                 elif req.echo:
                     yield chunk(index, text=self._prompt_text(req))
             buffers = [{"text": [], "entries": []} for _ in range(req.n)]
+            tool_streams = [ToolStream(req.tool_use) for _ in range(req.n)] if req.tool_use else None
             while remaining:
                 events = await self._next_batch(queue)
                 if events is None:
@@ -152,14 +158,27 @@ class ResponseWriter:
                     continue
                 for index, event in events:
                     buffer = buffers[index]
-                    buffer["text"].append(event.text)
+                    buffer["text"].append(
+                        event.text if tool_streams is None else tool_streams[index].add(event.text)
+                    )
                     buffer["entries"].extend(event.logprobs or ())
                     if event.finished:
                         remaining -= 1
                         completion_tokens += event.metrics["completion_tokens"] if event.metrics else 0
                         finals[index] = event
                         timing_list[index] = timings(event.metrics)
-                        yield chunk(index, "".join(buffer["text"]), event.finish_reason, buffer["entries"])
+                        reason = event.finish_reason
+                        if tool_streams is not None:
+                            rest, calls = tool_streams[index].finish()
+                            buffer["text"].append(rest)
+                            if calls and reason == "stop":
+                                if "".join(buffer["text"]) or buffer["entries"]:
+                                    yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
+                                    buffer = {"text": [], "entries": []}
+                                for delta in tool_call_deltas(calls):
+                                    yield chunk(index, calls=[delta])
+                                reason = "tool_calls"
+                        yield chunk(index, "".join(buffer["text"]), reason, buffer["entries"])
                         buffers[index] = {"text": [], "entries": []}
                 for index, buffer in enumerate(buffers):
                     if "".join(buffer["text"]) or buffer["entries"]:

@@ -78,18 +78,23 @@ def _grammars(tokenizer):
     return Grammars(tokenizer, tokenizer.vocab_size, eos)
 
 
-def _random_walk(grammars, sampling, seed, limit=300):
-    """Tokens drawn uniformly among each step's allowed ones until the constraint is complete."""
+def random_walk(grammars, sampling, seed, limit=300):
+    """Tokens drawn uniformly among each step's allowed ones until the constraint is complete (or,
+    where it may end, an end-of-sequence token is drawn: one time in two), without that token."""
     constraint = grammars.compile(sampling).start()
     rng = random.Random(seed)
     row = np.empty(mask_words(grammars.vocab_size), np.int32)
     tokens = []
     while not constraint.complete and len(tokens) < limit:
         constraint.fill(row)
-        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: grammars.vocab_size]
-        choices = [t for t in np.flatnonzero(bits) if t not in grammars.eos_token_ids]
-        token = int(rng.choice(choices))
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[: grammars.vocab_size])
+        ends = [t for t in allowed if t in grammars.eos_token_ids]
+        token = int(
+            ends[0] if ends and rng.random() < 0.5 else rng.choice([t for t in allowed if t not in ends])
+        )
         assert constraint.accept(token)
+        if token in ends:
+            break
         tokens.append(token)
     assert constraint.complete
     return tokens
@@ -102,9 +107,9 @@ def test_any_walk_through_the_allowed_tokens_spells_a_valid_output(tokenizers, k
     tokenizer = tokenizers[kind]
     grammars = _grammars(tokenizer)
     for seed in range(5):
-        text = tokenizer.decode(_random_walk(grammars, SamplingParams(json_schema=PERSON), seed))
+        text = tokenizer.decode(random_walk(grammars, SamplingParams(json_schema=PERSON), seed))
         jsonschema.validate(json.loads(text), PERSON)
-        text = tokenizer.decode(_random_walk(grammars, SamplingParams(regex=CODE), seed))
+        text = tokenizer.decode(random_walk(grammars, SamplingParams(regex=CODE), seed))
         assert re.fullmatch(CODE, text), text
 
 

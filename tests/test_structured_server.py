@@ -226,3 +226,163 @@ def test_bad_constraints_are_400s_naming_the_field(server, extra, param):
     assert reply.json()["error"]["param"] == param
     fine = httpx.post(server + "/v1/chat/completions", json={**body, **{k: None for k in extra}}, timeout=60)
     assert fine.status_code == 200
+
+
+# ------------------------------------------------------------------------------------ tools
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_and_named_tool_choices_give_valid_calls(client, tool_choice, temperature):
+    for seed in range(2):
+        answer = client.chat.completions.create(
+            model="smollm2",
+            messages=WEATHER,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            temperature=temperature,
+            seed=seed,
+            max_tokens=200,
+        )
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id
+            assert tool_choice == "required" or call.function.name == "add"
+            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(client):
+    options = {
+        "model": "smollm2",
+        "messages": WEATHER,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**options, max_tokens=200).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**options, max_tokens=200, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for part in delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            if part.id:
+                assert call["id"] is None and not call["arguments"]  # id and name come first, once
+                call["id"], call["name"] = part.id, part.function.name
+            call["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
+    assert all(c["id"] for c in calls.values())
+
+
+def test_a_tool_round_trip_ends_in_an_answer(client):
+    first = (
+        client.chat.completions.create(
+            model="smollm2",
+            messages=WEATHER,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=200,
+        )
+        .choices[0]
+        .message
+    )
+    assert len(first.tool_calls) == 1 and first.content is None
+    call = first.tool_calls[0]
+    conversation = [
+        *WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": json.dumps({"temperature_c": 18, "sky": "sunny"}),
+        },
+    ]
+    final = client.chat.completions.create(
+        model="smollm2", messages=conversation, tools=TOOLS, temperature=0, max_tokens=60
+    ).choices[0]
+    assert final.finish_reason in ("stop", "tool_calls", "length")
+    assert final.message.content or final.message.tool_calls
+
+
+def test_auto_answers_with_text_or_valid_calls(client):
+    for question in ("Add 17 and 25 with the add tool.", "Tell me a joke."):
+        choice = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": question}],
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=100,
+        ).choices[0]
+        if choice.finish_reason == "tool_calls":
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+        else:
+            assert choice.message.content and not choice.message.tool_calls
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": "get_weather"}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"functions": [TOOLS[0]["function"]]}, "functions"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_field(server, extra, param):
+    body = {"model": "smollm2", "messages": WEATHER, "max_tokens": 5, **extra}
+    reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
