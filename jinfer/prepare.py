@@ -105,7 +105,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise RequestError(f"{where}: only text content parts are supported", "messages")
                 texts.append(check_text(part.get("text"), f"{where}.content[].text"))
-            content = "".join(texts)
+            content = "\n".join(texts)  # parts are separate pieces of text, not one cut in two
         else:
             content = check_text(content, f"{where}.content")
         clean = {"role": role, "content": content}

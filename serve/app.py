@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
@@ -27,6 +29,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from jinfer.engine import Engine
 from jinfer.metrics import ServingMetrics
 from jinfer.prepare import ContextLengthError, PreparedRequest, RequestError, check_messages, check_text
+from jinfer.sampling import SEED_LIMIT
 from jinfer.scheduler import QueueFullError
 from jinfer.structured import constraint_of
 
@@ -84,11 +87,19 @@ class JinferAPI(ResponseWriter):
     """Route handlers over one engine."""
 
     def __init__(
-        self, engine: Engine, settings: ServerConfig, model_name: str, api_keys: tuple[str, ...] = ()
+        self,
+        engine: Engine,
+        settings: ServerConfig,
+        model_name: str,
+        api_keys: tuple[str, ...] = (),
+        fingerprint: str | None = None,
     ):
         self.engine = engine
         self.settings = settings
         self.model_name = model_name
+        self.fingerprint = fingerprint  # system_fingerprint (serve/fingerprint.py)
+        # Choices one request may ask for: as many as the engine holds at once, slots and queue.
+        self._max_n = engine.layout.max_slots + engine.layout.max_queue
         self.api_keys = api_keys
         self.tokenizer = engine.tokenizer
         self.preparer = engine.preparer
@@ -185,13 +196,14 @@ class JinferAPI(ResponseWriter):
         self, req: GenerationRequest, prepared: PreparedRequest, queue: asyncio.Queue
     ) -> tuple[list[str], list[int]]:
         """Submit the n choices; on any failure cancel the ones already submitted. Choice i of n
-        gets seed + i, so seeded n > 1 requests give n different, reproducible answers."""
+        gets seed + i, so n > 1 requests give n different answers; an unseeded request gets a fresh
+        seed, reported back (`req.seed`) so that sending it reproduces the answers."""
         seed = prepared.sampling.seed
+        req.seed = seed = secrets.randbits(32) if seed is None else seed
         opened: list[str] = []
         try:
             for index in range(req.n):
-                choice = prepared if seed is None or index == 0 else prepared.with_seed(seed + index)
-                opened.append(self.bridge.open(choice, queue, index))
+                opened.append(self.bridge.open(prepared.with_seed((seed + index) % SEED_LIMIT), queue, index))
         except QueueFullError as e:
             for request_id in opened:
                 self.bridge.cancel(request_id)
@@ -214,15 +226,25 @@ class JinferAPI(ResponseWriter):
             return JSONResponse({"status": "draining" if self.draining else "warming_up"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    async def models(self, request: Request) -> Response:
-        card = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": now(),
             "owned_by": "jinfer",
             "max_model_len": self.preparer.max_seq_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise APIError(
+                404, f"the model '{model_id}' does not exist", param="model", code="model_not_found"
+            )
+        return JSONResponse(self._model_card())
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -267,7 +289,7 @@ class JinferAPI(ResponseWriter):
 
     async def _generate(self, request: Request, kind: str) -> Response:
         self._check_serving()
-        req = parse_generation(await self._body(request), kind)
+        req = parse_generation(await self._body(request), kind, self._max_n)
         self._check_model(req.model)
         queue: asyncio.Queue = asyncio.Queue()
         request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
@@ -303,7 +325,7 @@ class JinferAPI(ResponseWriter):
                         raise APIError(400, f"id {client_id!r} is already running", param="id")
                     self._check_serving()
                     body = {k: v for k, v in message.items() if k not in ("type", "id")}
-                    req = parse_generation(body, message["type"])
+                    req = parse_generation(body, message["type"], self._max_n)
                     self._check_model(req.model)
                     queue: asyncio.Queue = asyncio.Queue()
                     request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
@@ -353,9 +375,10 @@ def build_app(
     settings: ServerConfig | None = None,
     model_name: str = "jinfer",
     api_keys: tuple[str, ...] = (),
+    fingerprint: str | None = None,
 ) -> tuple[Starlette, JinferAPI]:
     settings = settings or ServerConfig()
-    api = JinferAPI(engine, settings, model_name, api_keys)
+    api = JinferAPI(engine, settings, model_name, api_keys, fingerprint)
 
     async def api_error(request, exc: APIError):
         return _error_response(exc)
@@ -382,6 +405,7 @@ def build_app(
         Route("/ready", api.ready_check),
         Route("/metrics", api.metrics_endpoint),
         Route("/v1/models", api.models),
+        Route("/v1/models/{model_id:path}", api.model),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -394,4 +418,12 @@ def build_app(
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected},
     )
     app.add_middleware(AuthMiddleware, keys=api_keys)
+    if settings.cors_origins:  # outside the key check: a browser's preflight carries no key
+        origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-API-Key"],
+        )
     return app, api

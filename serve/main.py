@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from jinfer.loading import default_model_path, load_model
 
     from .app import build_app
+    from .fingerprint import system_fingerprint
 
     model_path = server.model or default_model_path()
     start = time.perf_counter()
@@ -194,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         peak_resident_bytes() / 2**20,
         engine.preparer.sampling(None),
     )
-    app, api = build_app(engine, server, name, keys)
+    fingerprint = system_fingerprint(engine, model_path)
+    log.info("system_fingerprint %s", fingerprint)
+    app, api = build_app(engine, server, name, keys, fingerprint)
     config = uvicorn.Config(
         app,
         log_level=server.log_level,

@@ -16,8 +16,6 @@ from typing import Any
 
 from jinfer.sampling import RequestError, SamplingParams
 
-MAX_N = 4
-
 
 class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
@@ -164,6 +162,7 @@ class GenerationRequest:
     tool_choice: Any = None
     parallel_tool_calls: Any = True
     tool_use: Any = None  # set once prepared: how to read tool calls in the output (jinfer.tools.ToolUse)
+    seed: int | None = None  # set once submitted: the seed of choice 0 (choice i has seed + i)
 
 
 # Body fields passed to SamplingParams as they are (it checks their types and ranges).
@@ -228,7 +227,9 @@ def api_param(param: str | None) -> str | None:
     return "response_format" if param == "json_schema" else param
 
 
-def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
+def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationRequest:
+    """A completions or chat body, its fields checked for type; `max_n`: the most choices (n) a
+    request may ask for (the engine's slots)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")
@@ -249,13 +250,20 @@ def parse_generation(body: dict[str, Any], kind: str) -> GenerationRequest:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None and kind == "completion":
         max_tokens = LEGACY_COMPLETIONS_MAX_TOKENS
-    n = _integer(body, "n", 1, low=1, high=MAX_N)
+    n = _integer(body, "n", 1, low=1, high=max_n)
     if kind == "completion":
         logprobs = _integer(body, "logprobs", None, low=0, high=20)
+        if body.get("suffix") not in (None, ""):
+            raise APIError(400, "'suffix' (text after the insertion) is not supported", param="suffix")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != n:
+            raise APIError(400, "'best_of' other than n is not supported", param="best_of")
     else:
         want = _bool(body, "logprobs")
-        top = _integer(body, "top_logprobs", 0, low=0, high=20)
-        logprobs = top if want else None
+        top = _integer(body, "top_logprobs", None, low=0, high=20)
+        if top is not None and not want:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (top or 0) if want else None
     stream = _bool(body, "stream")
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -368,6 +376,11 @@ def usage(final_event, prompt_ids: list[int], completion_tokens: int) -> dict[st
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": (metrics or {}).get("cached_prompt_tokens", 0)},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
 
 

@@ -90,7 +90,8 @@ class ResponseWriter:
             "model": self.model_name,
             "choices": body_choices,
             "usage": usage(choices[0]["final"], prompt_ids, completion_tokens),
-            "jinfer": {"timings": [timings(c["final"].metrics) for c in choices]},
+            "system_fingerprint": self.fingerprint,
+            "jinfer": {"seed": req.seed, "timings": [timings(c["final"].metrics) for c in choices]},
         }
         return JSONResponse(body)
 
@@ -132,6 +133,7 @@ class ResponseWriter:
                 "object": kind,
                 "created": created,
                 "model": self.model_name,
+                "system_fingerprint": self.fingerprint,
             }
             body["choices"] = [choice]
             if req.include_usage:
@@ -178,7 +180,9 @@ class ResponseWriter:
                                 for delta in tool_call_deltas(calls):
                                     yield chunk(index, calls=[delta])
                                 reason = "tool_calls"
-                        yield chunk(index, "".join(buffer["text"]), reason, buffer["entries"])
+                        if "".join(buffer["text"]) or buffer["entries"]:
+                            yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
+                        yield chunk(index, None, reason)  # the finish: an empty delta, as OpenAI sends it
                         buffers[index] = {"text": [], "entries": []}
                 for index, buffer in enumerate(buffers):
                     if "".join(buffer["text"]) or buffer["entries"]:
@@ -192,7 +196,8 @@ class ResponseWriter:
                     "model": self.model_name,
                     "choices": [],
                     "usage": usage(finals[0], prompt_ids, completion_tokens),
-                    "jinfer": {"timings": timing_list},
+                    "system_fingerprint": self.fingerprint,
+                    "jinfer": {"seed": req.seed, "timings": timing_list},
                 }
                 yield sse_data(body)
             yield "data: [DONE]\n\n"

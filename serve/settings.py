@@ -26,6 +26,9 @@ class ServerConfig:
     keepalive_s: float = setting(15.0, "SSE keep-alive comment after this much silence")
     drain_timeout: float = setting(30.0, "seconds running requests may finish after SIGTERM")
     retry_after_s: int = setting(1, "Retry-After seconds sent with a 429 (queue full)")
+    cors_origins: str | None = setting(
+        None, "browser origins allowed to call the API, comma-separated ('*': any); unset: none (no CORS)"
+    )
     log_level: str = setting("info", "logging level")
 
     def __post_init__(self):

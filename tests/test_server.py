@@ -254,7 +254,7 @@ def _post(base, path, content=None, json_body=None, headers=AUTH):
         (b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
         (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
         (b'{"prompt": "x", "top_p": 1.5}', 400, "top_p"),
-        (b'{"prompt": "x", "n": 5}', 400, "'n'"),
+        (b'{"prompt": "x", "n": 6}', 400, "'n'"),
         (b'{"prompt": "x", "n": 0}', 400, "'n'"),
         (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
         (b'{"prompt": "x", "stop": 7}', 400, "stop"),

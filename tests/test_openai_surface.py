@@ -1,0 +1,124 @@
+"""The OpenAI surface beyond generation itself, through the real server and the official client:
+model lookup, usage details, the stream's finish chunk, fields jinfer refuses rather than ignores,
+content parts, CORS, and the reproducibility record (system_fingerprint, and the seed an unseeded
+request was given)."""
+
+import httpx
+import openai
+import pytest
+from test_server import AUTH, KEY, TINY_OPTIONS, running_server
+
+ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model):
+    """Two servers of the same model and settings, the second also allowing ORIGIN (CORS)."""
+    path = tiny_model("llama_gqa_untied")[0]
+    with (
+        running_server(path, *TINY_OPTIONS) as (first, _),
+        running_server(path, *TINY_OPTIONS, "--cors-origins", ORIGIN) as (second, _),
+    ):
+        yield first, second
+
+
+@pytest.fixture(scope="module")
+def client(servers):
+    return openai.OpenAI(base_url=servers[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_a_model_is_found_by_its_id_and_another_is_a_404(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_an_unseeded_answer_is_reproduced_from_its_fingerprint_and_reported_seed(servers, client):
+    ask = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "n": 2}
+    first = client.completions.create(**ask)
+    seed = first.model_extra["jinfer"]["seed"]
+    assert first.system_fingerprint.startswith("fp_") and isinstance(seed, int)
+    other = openai.OpenAI(base_url=servers[1] + "/v1", api_key=KEY, max_retries=0)
+    again = other.completions.create(**ask, seed=seed)  # another server, the same fingerprint
+    assert again.system_fingerprint == first.system_fingerprint
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]
+    assert first.choices[0].text != first.choices[1].text  # choice i has seed + i
+    chunks = list(client.completions.create(**ask, seed=seed, stream=True))
+    assert {c.system_fingerprint for c in chunks} == {first.system_fingerprint}
+
+
+def test_usage_details_and_the_empty_finish_delta(client):
+    messages = [{"role": "user", "content": "Hello"}]
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 0
+    assert answer.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = [
+        c
+        for c in client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True
+        )
+        if c.choices
+    ]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "length" and last.delta.content is None and last.delta.tool_calls is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+    texts = [
+        c.choices[0] for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=4, stream=True)
+    ]
+    assert texts[-1].text == "" and texts[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"prompt": "x", "suffix": " the end"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "tools": []}, "tools"),
+    ],
+)
+def test_fields_jinfer_does_not_implement_are_400s_not_silence(servers, path, body, param):
+    reply = httpx.post(servers[0] + path, json={"model": "tiny", "max_tokens": 2, **body}, headers=AUTH)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+def test_best_of_equal_to_n_and_n_past_the_slots_are_fine(client):
+    answer = client.completions.create(model="tiny", prompt="x", max_tokens=2, n=3, best_of=3, temperature=0)
+    assert len(answer.choices) == 3  # 2 slots: the third choice waits for one
+
+
+def test_text_parts_are_separate_pieces_of_text(servers):
+    def ids(content):
+        body = {"messages": [{"role": "user", "content": content}]}
+        return httpx.post(servers[0] + "/tokenize", json=body, headers=AUTH).json()["tokens"]
+
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the best"}]
+    assert ids(parts) == ids("What is\nthe best")
+
+
+def test_cors_is_off_unless_origins_are_allowed_and_preflights_need_no_key(servers):
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    allowed = httpx.options(servers[1] + "/v1/chat/completions", headers=preflight)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    models = httpx.get(servers[1] + "/v1/models", headers={**AUTH, "Origin": ORIGIN})
+    assert models.headers["access-control-allow-origin"] == ORIGIN
+    stranger = httpx.options(
+        servers[1] + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"}
+    )
+    assert "access-control-allow-origin" not in stranger.headers
+    assert (
+        "access-control-allow-origin"
+        not in httpx.get(servers[0] + "/v1/models", headers={**AUTH, "Origin": ORIGIN}).headers
+    )
+    assert (
+        httpx.options(servers[0] + "/v1/chat/completions", headers=preflight).status_code == 401
+    )  # no CORS there
