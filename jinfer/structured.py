@@ -147,12 +147,23 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def _matcher(self, kind: str, text: str):
+    def _vocabulary(self):
+        """The tokenizer as llguidance reads it, built on first use."""
         with self._lock:
             if self._llg_tokenizer is None:
                 self._llg_tokenizer = _llguidance_tokenizer(
                     self.tokenizer, self.vocab_size, self.eos_token_ids
                 )
+            return self._llg_tokenizer
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a special token: its name), whole UTF-8 or not: what
+        log-probs report, where decoding one token alone would give U+FFFD for part of a
+        character. Ids past the tokenizer's vocabulary (a model's padding) stand for nothing."""
+        return self._vocabulary().decode_bytes([token]) if token < self.tokenizer.vocab_size else b""
+
+    def _matcher(self, kind: str, text: str):
+        vocabulary = self._vocabulary()
         try:
             if kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(
@@ -165,7 +176,7 @@ class Grammars:
                 grammar = llg.grammar_from("grammar", text)  # Lark, or GBNF (converted to Lark)
         except (ValueError, RuntimeError) as e:
             raise RequestError(f"invalid {kind}: {e}", kind) from None
-        matcher = llg.LLMatcher(self._llg_tokenizer, grammar, log_level=0, limits=_parser_limits())
+        matcher = llg.LLMatcher(vocabulary, grammar, log_level=0, limits=_parser_limits())
         if matcher.is_error():
             raise RequestError(f"invalid {kind}: {_first_line(matcher.get_error())}", kind)
         return matcher

@@ -166,7 +166,8 @@ class JinferAPI(ResponseWriter):
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
 
-    def _prepare(self, req: GenerationRequest) -> PreparedRequest:
+    def _prepare(self, req: GenerationRequest) -> list[PreparedRequest]:
+        """The request's prompts (or its chat) prepared, one each."""
         try:
             options = {
                 "sampling": req.sampling,
@@ -177,15 +178,15 @@ class JinferAPI(ResponseWriter):
                 tools = {n: getattr(req, n) for n in ("tools", "tool_choice", "parallel_tool_calls")}
                 prepared = self.preparer.prepare(messages=req.messages, **options, **tools)
                 req.tool_use = prepared.tools
-                return prepared
-            return self.preparer.prepare(req.prompt, **options)
+                return [prepared]
+            return [self.preparer.prepare(prompt, **options) for prompt in req.prompts]
         except ContextLengthError as e:
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except RequestError as e:
             raise APIError(400, str(e), param=api_param(e.param)) from None
 
-    async def _prepared(self, req: GenerationRequest) -> PreparedRequest:
+    async def _prepared(self, req: GenerationRequest) -> list[PreparedRequest]:
         """The request prepared; off the event loop when it has a constraint to compile (bounded
         by the grammar library's limits, yet long enough to hold up every other connection)."""
         if constraint_of(req.sampling) is None and req.tool_choice in (None, "none", "auto"):
@@ -193,17 +194,19 @@ class JinferAPI(ResponseWriter):
         return await asyncio.to_thread(self._prepare, req)
 
     def _open_all(
-        self, req: GenerationRequest, prepared: PreparedRequest, queue: asyncio.Queue
-    ) -> tuple[list[str], list[int]]:
-        """Submit the n choices; on any failure cancel the ones already submitted. Choice i of n
+        self, req: GenerationRequest, prepared: list[PreparedRequest], queue: asyncio.Queue
+    ) -> tuple[list[str], list[list[int]]]:
+        """Submit n choices per prompt; on any failure cancel the ones already submitted. Choice i
         gets seed + i, so n > 1 requests give n different answers; an unseeded request gets a fresh
-        seed, reported back (`req.seed`) so that sending it reproduces the answers."""
-        seed = prepared.sampling.seed
+        seed, reported back (`req.seed`) so that sending it reproduces the answers. Returns the
+        request ids and each prompt's ids."""
+        seed = prepared[0].sampling.seed
         req.seed = seed = secrets.randbits(32) if seed is None else seed
         opened: list[str] = []
         try:
-            for index in range(req.n):
-                opened.append(self.bridge.open(prepared.with_seed((seed + index) % SEED_LIMIT), queue, index))
+            for index in range(req.choices):
+                choice = prepared[index // req.n].with_seed((seed + index) % SEED_LIMIT)
+                opened.append(self.bridge.open(choice, queue, index))
         except QueueFullError as e:
             for request_id in opened:
                 self.bridge.cancel(request_id)
@@ -215,7 +218,7 @@ class JinferAPI(ResponseWriter):
             for request_id in opened:
                 self.bridge.cancel(request_id)
             raise
-        return opened, prepared.prompt_ids
+        return opened, [p.prompt_ids for p in prepared]
 
     # ------------------------------------------------------------------------ handlers
     async def health(self, request: Request) -> Response:
@@ -343,7 +346,7 @@ class JinferAPI(ResponseWriter):
                 task.cancel()
 
     async def _ws_forward(self, ws, client_id, req, queue, prompt_ids, running) -> None:
-        remaining = req.n
+        remaining = req.choices
         try:
             while remaining:
                 index, event = await queue.get()
@@ -361,7 +364,7 @@ class JinferAPI(ResponseWriter):
                             "index": index,
                             "finish_reason": event.finish_reason,
                             "error": event.error,
-                            "usage": usage(event, prompt_ids, completion),
+                            "usage": usage([event], [prompt_ids[index // req.n]], completion),
                         }
                     )
         except (WebSocketDisconnect, RuntimeError):

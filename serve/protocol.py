@@ -147,7 +147,7 @@ class GenerationRequest:
 
     kind: str  # "completion" | "chat"
     model: str | None
-    prompt: str | list[int] | None  # completions
+    prompts: list[str | list[int]]  # completions: one or more (text or token ids); chat: none
     messages: Any  # chat
     sampling: SamplingParams
     n: int
@@ -163,6 +163,11 @@ class GenerationRequest:
     parallel_tool_calls: Any = True
     tool_use: Any = None  # set once prepared: how to read tool calls in the output (jinfer.tools.ToolUse)
     seed: int | None = None  # set once submitted: the seed of choice 0 (choice i has seed + i)
+
+    @property
+    def choices(self) -> int:
+        """Choices in the response: n per prompt (choice p * n + j: prompt p's j-th)."""
+        return max(len(self.prompts), 1) * self.n
 
 
 # Body fields passed to SamplingParams as they are (it checks their types and ranges).
@@ -233,24 +238,33 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")
-    prompt = messages = None
+    prompts, messages = [], None
     if kind == "completion":
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        valid_ids = (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        )
-        if not (isinstance(prompt, str) or valid_ids):
-            raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+        several = isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)
+        prompts = list(prompt) if several else [prompt]
+        for one in prompts:
+            ids = (
+                isinstance(one, list)
+                and one
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in one)
+            )
+            if not (isinstance(one, str) or ids):
+                raise APIError(
+                    400,
+                    "'prompt' must be a string, a list of token ids, or a list of either",
+                    param="prompt",
+                )
     else:
         messages = body.get("messages")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None and kind == "completion":
         max_tokens = LEGACY_COMPLETIONS_MAX_TOKENS
     n = _integer(body, "n", 1, low=1, high=max_n)
+    if len(prompts) * n > max_n:
+        raise APIError(
+            400, f"{len(prompts)} prompts x n={n} choices: at most {max_n} at once", param="prompt"
+        )
     if kind == "completion":
         logprobs = _integer(body, "logprobs", None, low=0, high=20)
         if body.get("suffix") not in (None, ""):
@@ -304,7 +318,7 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
     return GenerationRequest(
         kind=kind,
         model=model,
-        prompt=prompt,
+        prompts=prompts,
         messages=messages,
         sampling=sampling,
         n=n,
@@ -330,52 +344,61 @@ def now() -> int:
     return int(time.time())
 
 
-def format_logprobs(kind: str, tokenizer, entries: list[dict], text_offset: int = 0) -> dict[str, Any] | None:
-    """OpenAI logprobs objects from jinfer's per-token entries."""
+def token_text(data: bytes) -> str:
+    """A token's text in log-probs: its bytes as text, or, for part of a character, "bytes:" and
+    the bytes escaped (as OpenAI writes them), so that distinct tokens never share a text."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def format_logprobs(
+    kind: str, token_bytes, entries: list[dict], text_offset: int = 0
+) -> dict[str, Any] | None:
+    """OpenAI logprobs objects from jinfer's per-token entries; `token_bytes(id)`: the bytes a
+    token stands for (`jinfer.structured.Grammars.token_bytes`): concatenated, the text's."""
     if not entries:
         return None
-    piece = lambda i: tokenizer.decode([i], skip_special_tokens=False)
     if kind == "chat":
+        entry = lambda i, v: {
+            "token": token_text(token_bytes(i)),
+            "logprob": v,
+            "bytes": list(token_bytes(i)),
+        }
         content = []
         for e in entries:
-            token = piece(e["token_id"])
-            content.append(
-                {
-                    "token": token,
-                    "logprob": e["logprob"],
-                    "bytes": list(token.encode()),
-                    "top_logprobs": [
-                        {"token": piece(i), "logprob": v, "bytes": list(piece(i).encode())}
-                        for i, v in e["top"].items()
-                    ],
-                }
-            )
+            top = [entry(i, v) for i, v in e["top"].items()]
+            content.append({**entry(e["token_id"], e["logprob"]), "top_logprobs": top})
         return {"content": content}
-    tokens, offsets, offset = [], [], text_offset
+    tokens, offsets, written = [], [], b""
     for e in entries:
-        token = piece(e["token_id"])
-        tokens.append(token)
-        offsets.append(offset)
-        offset += len(token)
+        data = token_bytes(e["token_id"])
+        tokens.append(token_text(data))
+        offsets.append(text_offset + len(written.decode("utf-8", errors="ignore")))  # whole characters before
+        written += data
     return {
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{piece(i): v for i, v in e["top"].items()} for e in entries],
+        "top_logprobs": [{token_text(token_bytes(i)): v for i, v in e["top"].items()} for e in entries],
         "text_offset": offsets,
     }
 
 
-def usage(final_event, prompt_ids: list[int], completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object, the prompt's figures from a finished choice's metrics: the prompt
-    tokens the engine used (fewer than sent when it truncated) and how many of them it found in
-    the prefix cache."""
-    metrics = final_event.metrics if final_event is not None else None
-    prompt_tokens = metrics["prompt_tokens"] if metrics else len(prompt_ids)
+def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object. The prompts' figures come from a finished choice of each (`finals`,
+    one per prompt, None where none finished): the prompt tokens the engine used (fewer than sent
+    when it truncated) and how many of them it found in the prefix cache."""
+    prompt_tokens = cached = 0
+    for final, ids in zip(finals, prompt_ids, strict=True):
+        metrics = final.metrics if final is not None and final.metrics else {}
+        prompt_tokens += metrics.get("prompt_tokens", len(ids))
+        cached += metrics.get("cached_prompt_tokens", 0)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": (metrics or {}).get("cached_prompt_tokens", 0)},
+        "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens_details": {
             "reasoning_tokens": 0,
             "accepted_prediction_tokens": 0,

@@ -34,10 +34,10 @@ def sse_data(body: dict) -> str:
 class ResponseWriter:
     async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
         """Wait for every choice; a client that goes away cancels them."""
-        choices = [{"text": [], "entries": [], "final": None} for _ in range(req.n)]
+        choices = [{"text": [], "entries": [], "final": None} for _ in range(req.choices)]
         disconnect = asyncio.ensure_future(wait_disconnect(request))
         try:
-            remaining = req.n
+            remaining = req.choices
             while remaining:
                 get = asyncio.ensure_future(queue.get())
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -55,7 +55,6 @@ class ResponseWriter:
             disconnect.cancel()
             for request_id in request_ids:
                 self.bridge.cancel(request_id)  # no-op for finished requests
-        prompt_text = self._prompt_text(req)
         body_choices, completion_tokens = [], 0
         for index, choice in enumerate(choices):
             final = choice["final"]
@@ -63,7 +62,7 @@ class ResponseWriter:
             completion_tokens += final.metrics["completion_tokens"] if final.metrics else 0
             logprobs = None
             if req.top_logprobs is not None:
-                logprobs = format_logprobs(kind=req.kind, tokenizer=self.tokenizer, entries=choice["entries"])
+                logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, choice["entries"])
             if req.kind == "chat":
                 message, reason = {"role": "assistant", "content": text}, final.finish_reason
                 parsed = req.tool_use.parse(text) if req.tool_use is not None and reason == "stop" else None
@@ -78,7 +77,7 @@ class ResponseWriter:
                 body_choices.append(
                     {
                         "index": index,
-                        "text": (prompt_text if req.echo else "") + text,
+                        "text": (self._prompt_text(req, index) if req.echo else "") + text,
                         "logprobs": logprobs,
                         "finish_reason": final.finish_reason,
                     }
@@ -89,16 +88,18 @@ class ResponseWriter:
             "created": now(),
             "model": self.model_name,
             "choices": body_choices,
-            "usage": usage(choices[0]["final"], prompt_ids, completion_tokens),
+            "usage": usage([c["final"] for c in choices[:: req.n]], prompt_ids, completion_tokens),
             "system_fingerprint": self.fingerprint,
             "jinfer": {"seed": req.seed, "timings": [timings(c["final"].metrics) for c in choices]},
         }
         return JSONResponse(body)
 
-    def _prompt_text(self, req: GenerationRequest) -> str:
+    def _prompt_text(self, req: GenerationRequest, index: int) -> str:
+        """Choice `index`'s prompt as text (for echo)."""
         if req.kind != "completion":
             return ""
-        return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
+        prompt = req.prompts[index // req.n]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     async def _sse(self, req, queue, request_ids, prompt_ids):
         """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
@@ -106,7 +107,9 @@ class ResponseWriter:
         kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
         def chunk(index, text=None, finish_reason=None, entries=None, role=False, extra=None, calls=None):
-            logprobs = format_logprobs(req.kind, self.tokenizer, entries) if entries else None
+            logprobs = (
+                format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries) if entries else None
+            )
             if req.kind == "chat":
                 delta = (
                     {"role": "assistant", "content": ""}
@@ -142,17 +145,17 @@ class ResponseWriter:
                 body.update(extra)
             return sse_data(body)
 
-        completion_tokens, finals = 0, [None] * req.n
-        remaining = req.n
-        timing_list = [None] * req.n
+        completion_tokens, finals = 0, [None] * req.choices
+        remaining = req.choices
+        timing_list = [None] * req.choices
         try:
-            for index in range(req.n):
+            for index in range(req.choices):
                 if req.kind == "chat":
                     yield chunk(index, role=True)
                 elif req.echo:
-                    yield chunk(index, text=self._prompt_text(req))
-            buffers = [{"text": [], "entries": []} for _ in range(req.n)]
-            tool_streams = [ToolStream(req.tool_use) for _ in range(req.n)] if req.tool_use else None
+                    yield chunk(index, text=self._prompt_text(req, index))
+            buffers = [{"text": [], "entries": []} for _ in range(req.choices)]
+            tool_streams = [ToolStream(req.tool_use) for _ in range(req.choices)] if req.tool_use else None
             while remaining:
                 events = await self._next_batch(queue)
                 if events is None:
@@ -195,7 +198,7 @@ class ResponseWriter:
                     "created": created,
                     "model": self.model_name,
                     "choices": [],
-                    "usage": usage(finals[0], prompt_ids, completion_tokens),
+                    "usage": usage(finals[:: req.n], prompt_ids, completion_tokens),
                     "system_fingerprint": self.fingerprint,
                     "jinfer": {"seed": req.seed, "timings": timing_list},
                 }

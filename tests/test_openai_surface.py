@@ -122,3 +122,45 @@ def test_cors_is_off_unless_origins_are_allowed_and_preflights_need_no_key(serve
     assert (
         httpx.options(servers[0] + "/v1/chat/completions", headers=preflight).status_code == 401
     )  # no CORS there
+
+
+def test_logprob_bytes_rebuild_the_text_and_parts_of_characters_keep_distinct_names(client):
+    """The tiny model's vocabulary has a token per byte: sampled, its output is full of parts of
+    characters, whose bytes must still add up to the text."""
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Grüße, 東京"}],
+        max_tokens=40,
+        temperature=1.0,
+        seed=3,
+        logprobs=True,
+        top_logprobs=5,
+    ).choices[0]
+    entries = answer.logprobs.content
+    rebuilt = b"".join(bytes(e.bytes) for e in entries)
+    assert rebuilt.decode("utf-8", errors="replace") == answer.message.content
+    assert any(e.token.startswith("bytes:") for e in entries)  # the test saw parts of characters
+    assert all(len({t.token for t in e.top_logprobs}) == 5 for e in entries)
+    legacy = client.completions.create(
+        model="tiny", prompt="Grüße", max_tokens=40, temperature=1.0, seed=3, logprobs=5
+    )
+    assert all(len(top) == 5 for top in legacy.choices[0].logprobs.top_logprobs)
+
+
+def test_a_list_of_prompts_gets_n_choices_each_in_order(client):
+    prompts = ["Once upon a time", [5, 6, 7, 8]]
+    ask = {"model": "tiny", "max_tokens": 6, "temperature": 0}
+    alone = [client.completions.create(prompt=p, **ask) for p in prompts]
+    both = client.completions.create(prompt=prompts, n=2, echo=True, **ask)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    for p, solo in enumerate(alone):
+        echoed = prompts[p] if isinstance(prompts[p], str) else None
+        for choice in both.choices[2 * p : 2 * p + 2]:
+            assert choice.text.endswith(solo.choices[0].text)
+            assert echoed is None or choice.text == echoed + solo.choices[0].text
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, **ask):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
