@@ -44,6 +44,7 @@ from .protocol import (
     usage,
 )
 from .responses import ResponseWriter
+from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
 
 log = logging.getLogger("jinfer.serve")
@@ -83,7 +84,7 @@ def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-class JinferAPI(ResponseWriter):
+class JinferAPI(ResponseWriter, ResponsesWriter):
     """Route handlers over one engine."""
 
     def __init__(
@@ -302,6 +303,20 @@ class JinferAPI(ResponseWriter):
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         return await self._complete(request, req, queue, request_ids, prompt_ids)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, as a chat (serve/responses_api.py)."""
+        self._check_serving()
+        body = await self._body(request)
+        req = parse_generation(chat_body(body), "chat", self._max_n)
+        self._check_model(req.model)
+        queue: asyncio.Queue = asyncio.Queue()
+        request_ids, _ = self._open_all(req, await self._prepared(req), queue)
+        if req.stream:
+            events = self._response_events(req, body, queue, request_ids)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return await self._respond(request, req, body, queue, request_ids)
+
     # ----------------------------------------------------------------------- websocket
     async def websocket(self, ws: WebSocket) -> None:
         """Messages in: {"type": "completion"|"chat", "id": ..., ...body} and {"type": "cancel", "id": ...}.
@@ -413,6 +428,7 @@ def build_app(
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         WebSocketRoute("/v1/ws", api.websocket),
     ]
     app = Starlette(

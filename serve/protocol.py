@@ -222,6 +222,35 @@ def _constraint(body) -> dict[str, Any]:
     return out
 
 
+# Every body field a door reads; anything else is a 400 naming it (never silently ignored).
+_COMMON_FIELDS = {
+    "model", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "response_format",
+    # jinfer's own
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "regex",
+    "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt",
+}  # fmt: skip
+_FIELDS = {
+    "completion": _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
+    "chat": _COMMON_FIELDS
+    | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+    | {"functions", "function_call"},  # refused with a pointer to tools
+}
+# OpenAI fields that change nothing in jinfer: accepted (nothing is stored, there is one tier).
+NO_EFFECT_FIELDS = {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+
+
+def _check_fields(body: dict[str, Any], kind: str) -> None:
+    unknown = sorted(set(body) - _FIELDS[kind] - NO_EFFECT_FIELDS)
+    if kind == "chat" and body.get("modalities") in (["text"], None):
+        unknown = [name for name in unknown if name != "modalities"]
+    if unknown:
+        others = f" (nor {', '.join(repr(u) for u in unknown[1:4])})" if len(unknown) > 1 else ""
+        raise APIError(
+            400, f"'{unknown[0]}' is not supported by jinfer's {kind} endpoint{others}", param=unknown[0]
+        )
+
+
 # OpenAI's legacy completions endpoint defines max_tokens=16 when a request leaves it out; chat
 # (and every other door of jinfer) runs to a stop or the end of the context window.
 LEGACY_COMPLETIONS_MAX_TOKENS = 16
@@ -235,6 +264,7 @@ def api_param(param: str | None) -> str | None:
 def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationRequest:
     """A completions or chat body, its fields checked for type; `max_n`: the most choices (n) a
     request may ask for (the engine's slots)."""
+    _check_fields(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")

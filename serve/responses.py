@@ -33,28 +33,8 @@ def sse_data(body: dict) -> str:
 
 class ResponseWriter:
     async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
-        """Wait for every choice; a client that goes away cancels them."""
-        choices = [{"text": [], "entries": [], "final": None} for _ in range(req.choices)]
-        disconnect = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            remaining = req.choices
-            while remaining:
-                get = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    raise asyncio.CancelledError
-                index, event = get.result()
-                choice = choices[index]
-                choice["text"].append(event.text)
-                choice["entries"].extend(event.logprobs or ())
-                if event.finished:
-                    choice["final"] = event
-                    remaining -= 1
-        finally:
-            disconnect.cancel()
-            for request_id in request_ids:
-                self.bridge.cancel(request_id)  # no-op for finished requests
+        """The whole response body of a completions or chat request."""
+        choices = await self._collect(request, req, queue, request_ids)
         body_choices, completion_tokens = [], 0
         for index, choice in enumerate(choices):
             final = choice["final"]
@@ -93,6 +73,32 @@ class ResponseWriter:
             "jinfer": {"seed": req.seed, "timings": [timings(c["final"].metrics) for c in choices]},
         }
         return JSONResponse(body)
+
+    async def _collect(self, request, req, queue, request_ids) -> list[dict]:
+        """Wait for every choice (its text pieces, log-prob entries and final event); a client
+        that goes away cancels them."""
+        choices = [{"text": [], "entries": [], "final": None} for _ in range(req.choices)]
+        disconnect = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            remaining = req.choices
+            while remaining:
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    raise asyncio.CancelledError
+                index, event = get.result()
+                choice = choices[index]
+                choice["text"].append(event.text)
+                choice["entries"].extend(event.logprobs or ())
+                if event.finished:
+                    choice["final"] = event
+                    remaining -= 1
+        finally:
+            disconnect.cancel()
+            for request_id in request_ids:
+                self.bridge.cancel(request_id)  # no-op for finished requests
+        return choices
 
     def _prompt_text(self, req: GenerationRequest, index: int) -> str:
         """Choice `index`'s prompt as text (for echo)."""

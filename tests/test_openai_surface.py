@@ -164,3 +164,24 @@ def test_a_list_of_prompts_gets_n_choices_each_in_order(client):
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert streamed == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+
+
+@pytest.mark.parametrize(
+    "path, extra, status",
+    [
+        ("/v1/chat/completions", {"temprature": 0.5}, 400),  # a typo is not silently ignored
+        ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, 400),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, 400),
+        ("/v1/completions", {"top_logprobs": 2}, 400),  # a chat field on the legacy endpoint
+        ("/v1/chat/completions", {"modalities": ["text"], "metadata": {"k": "v"}, "store": True}, 200),
+        ("/v1/completions", {"service_tier": "auto", "user": "u1"}, 200),
+    ],
+)
+def test_unknown_fields_are_400s_and_no_effect_fields_are_accepted(servers, path, extra, status):
+    base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    reply = httpx.post(
+        servers[0] + path, json={"model": "tiny", "max_tokens": 2, **base, **extra}, headers=AUTH
+    )
+    assert reply.status_code == status, reply.text
+    if status == 400:
+        assert reply.json()["error"]["param"] == next(iter(extra))

@@ -31,13 +31,15 @@ def tokenizer(tmp_path_factory):
 def _api(tokenizer, **settings):
     api = JinferAPI.__new__(JinferAPI)  # the SSE writer needs only these parts
     api.settings, api.tokenizer, api.bridge = ServerConfig(**settings), tokenizer, _Bridge()
-    api.model_name = "tiny"
+    api.model_name, api.fingerprint = "tiny", "fp_test"
     return api
 
 
 def _request():
     sampling = SamplingParams(max_tokens=8)
-    return GenerationRequest("completion", None, "x", None, sampling, 1, True, False, False, None, None, None)
+    return GenerationRequest(
+        "completion", None, ["x"], None, sampling, 1, True, False, False, None, None, None
+    )
 
 
 async def _collect(api, schedule):
@@ -54,7 +56,7 @@ async def _collect(api, schedule):
             queue.put_nowait((0, event))
 
     feeder = asyncio.create_task(feed())
-    frames = [frame async for frame in api._sse(_request(), queue, ["r1"], [1])]
+    frames = [frame async for frame in api._sse(_request(), queue, ["r1"], [[1]])]
     await feeder
     return frames
 
@@ -67,7 +69,8 @@ def test_each_token_is_its_own_event_by_default_and_silence_sends_keepalives(tok
     api = _api(tokenizer, keepalive_s=0.05)
     frames = asyncio.run(_collect(api, [(0.0, "a", False), (0.2, "b", False), (0.0, "c", True)]))
     assert frames.count(": keep-alive\n\n") >= 2  # 0.2 s of silence, one comment per 0.05 s
-    assert _texts(frames) == ["a", "b", "c"]
+    assert _texts(frames) == ["a", "b", "c", ""]  # the finish comes as an empty chunk of its own
+    assert json.loads(frames[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert frames[-1] == "data: [DONE]\n\n"
     assert all(f.endswith("\n\n") and f.count("\n") == 2 for f in frames)
     assert api.bridge.cancelled == ["r1"]  # finished requests are cancelled as a no-op on the way out
@@ -77,4 +80,4 @@ def test_coalescing_by_token_count_and_delay(tokenizer):
     api = _api(tokenizer, stream_max_tokens=3, stream_max_delay_ms=300, keepalive_s=10)
     schedule = [(0.01, t, False) for t in "abcde"] + [(1.0, "f", False), (0.0, "g", True)]
     frames = asyncio.run(_collect(api, schedule))
-    assert _texts(frames) == ["abc", "de", "fg"]  # "g" came within 300 ms of "f"
+    assert _texts(frames) == ["abc", "de", "fg", ""]  # "g" came within 300 ms of "f"

@@ -386,3 +386,88 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, extra, param):
     reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------------------- /v1/responses
+def test_the_responses_api_answers_streams_and_reports_usage(client):
+    ask = {
+        "model": "smollm2",
+        "input": "What is the capital of France?",
+        "temperature": 0,
+        "max_output_tokens": 40,
+    }
+    response = client.responses.create(**ask)
+    assert response.status == "completed" and "Paris" in response.output_text
+    assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == response.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    cut = client.responses.create(**{**ask, "max_output_tokens": 3})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_the_responses_api_holds_output_to_a_schema_and_calls_tools(client):
+    schema = SCHEMAS["numbers with ranges"]
+    shaped = client.responses.create(
+        model="smollm2",
+        input="Answer in JSON.",
+        text={"format": {"type": "json_schema", "name": "ranges", "schema": schema}},
+        temperature=0,
+        max_output_tokens=100,
+    )
+    jsonschema.validate(json.loads(shaped.output_text), schema)
+    flat_tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    called = client.responses.create(
+        model="smollm2",
+        input=WEATHER,
+        tools=flat_tools,
+        tool_choice="required",
+        temperature=0,
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+    )
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+    follow_up = [
+        *WEATHER,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 18}'},
+    ]
+    final = client.responses.create(
+        model="smollm2", input=follow_up, tools=flat_tools, temperature=0, max_output_tokens=60
+    )
+    assert final.status in ("completed", "incomplete") and final.output
+    streamed = list(
+        client.responses.create(
+            model="smollm2",
+            input=WEATHER,
+            tools=flat_tools,
+            tool_choice="required",
+            temperature=0,
+            parallel_tool_calls=False,
+            max_output_tokens=200,
+            stream=True,
+        )
+    )
+    done = [
+        e.item for e in streamed if e.type == "response.output_item.done" and e.item.type == "function_call"
+    ]
+    assert [(i.name, i.arguments) for i in done] == [(call.name, call.arguments)]
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"type": "input_image"}]}, "input"),
+        ({"truncation": "sometimes"}, "truncation"),
+    ],
+)
+def test_the_responses_api_refuses_what_it_does_not_do(server, extra, param):
+    body = {"model": "smollm2", "input": "hi", "max_output_tokens": 2, **extra}
+    reply = httpx.post(server + "/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param

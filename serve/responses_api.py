@@ -1,0 +1,312 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the same engine and checks as chat completions.
+
+A Responses body is translated into a chat-completions one (`chat_body`: `instructions` and
+`input` become messages, function calls and their outputs in the input become assistant
+`tool_calls` and `tool` messages, `max_output_tokens`, `text.format`, the flat function tools and
+`truncation` their chat spellings), which `parse_generation` and the request-preparation path then
+check and the engine runs like any chat. The result is written back as a Response object
+(`ResponsesWriter._respond`) or as its stream of typed events (`_response_events`).
+
+Stateless: `previous_response_id`, `conversation` and `background` are refused with a 400 naming
+them; `store` is accepted and changes nothing (no response is kept to be fetched later).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from jinfer.tools import ToolStream
+
+from .protocol import APIError, now
+
+REFUSED = {
+    "previous_response_id": "responses are not stored: send the whole conversation as input",
+    "conversation": "conversations are not stored: send the whole conversation as input",
+    "background": "background responses are not supported",
+    "reasoning": "reasoning settings are not supported",
+    "include": "no extra output to include is supported",
+}
+PASSED = ("temperature", "top_p", "stream", "user", "parallel_tool_calls", "seed", "top_k", "min_p")
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of text parts", param="input")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            raise APIError(400, f"{where}: only text content parts are supported", param="input")
+        texts.append(part.get("text"))
+    if not all(isinstance(t, str) for t in texts):
+        raise APIError(400, f"{where}: a text part's 'text' must be a string", param="input")
+    return "\n".join(texts)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`instructions` and `input` as chat messages."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise APIError(400, "'input' must be a string or a non-empty list of input items", param="input")
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise APIError(400, "'instructions' must be a string", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
+            last = messages[-1] if messages else None
+            if (
+                last is not None
+                and last["role"] == "assistant"
+                and last.get("tool_calls")
+                and not last["content"]
+            ):
+                last["tool_calls"].append(call)  # one turn's parallel calls
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        else:
+            raise APIError(400, f"{where}: unsupported input item type {str(kind)[:40]!r}", param="input")
+    return messages
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise APIError(400, "'tools' must be a list of function tools", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise APIError(
+                400, f"tools[{i}]: only function tools are supported, not {str(kind)[:40]!r}", param="tools"
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat-completions body a Responses body asks for (400 for what is not supported)."""
+    for name, why in REFUSED.items():
+        if body.get(name) not in (None, False, []):
+            raise APIError(400, f"'{name}': {why}", param=name)
+    chat = {name: body[name] for name in PASSED if body.get(name) is not None}
+    chat["model"] = body.get("model")
+    chat["messages"] = _messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    truncation = body.get("truncation", "disabled")
+    if truncation not in (None, "disabled", "auto"):
+        raise APIError(400, "'truncation' must be disabled or auto", param="truncation")
+    if truncation == "auto":
+        chat["context_policy"] = "drop_oldest"
+    text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text") or {}, dict) else None
+    if isinstance(text_format, dict) and text_format.get("type") == "json_schema":
+        spec = {k: text_format[k] for k in ("name", "schema", "strict") if k in text_format}
+        chat["response_format"] = {"type": "json_schema", "json_schema": spec}
+    elif text_format is not None:
+        chat["response_format"] = text_format
+    if body.get("tools"):
+        chat["tools"] = _tools(body["tools"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None and (chat.get("tools") or choice != "auto"):
+        chat["tool_choice"] = choice
+    return chat
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesWriter:
+    """The part of the API that writes Response objects and their events."""
+
+    def _output_items(self, req, text: str, reason: str) -> list[dict[str, Any]]:
+        """A finished choice as output items: the message (if it has text), then its calls."""
+        parsed = req.tool_use.parse(text) if req.tool_use is not None and reason == "stop" else None
+        content, calls = parsed if parsed is not None else (text, [])
+        items = [self._message_item(content)] if content or not calls else []
+        return items + [self._call_item(call) for call in calls]
+
+    @staticmethod
+    def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {
+            "type": "message",
+            "id": _new_id("msg"),
+            "status": status,
+            "role": "assistant",
+            "content": [part] if status == "completed" else [],
+        }
+
+    @staticmethod
+    def _call_item(call, status: str = "completed") -> dict[str, Any]:
+        arguments = call.arguments if status == "completed" else ""
+        return {
+            "type": "function_call",
+            "id": _new_id("fc"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": arguments,
+            "status": status,
+        }
+
+    def _response(self, req, body, response_id, created, status, output, final=None) -> dict[str, Any]:
+        metrics = (final.metrics or {}) if final is not None else {}
+        prompt, completion = metrics.get("prompt_tokens", 0), metrics.get("completion_tokens", 0)
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        error = None
+        if final is not None and final.finish_reason == "error":
+            error = {"code": "server_error", "message": final.error or "generation failed"}
+        return {
+            "id": response_id,
+            "object": "response",
+            "created_at": created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "model": self.model_name,
+            "output": output,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": req.sampling.temperature,
+            "top_p": req.sampling.top_p,
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools", []),
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "truncation": body.get("truncation", "disabled"),
+            "metadata": body.get("metadata") or {},
+            "store": body.get("store", False),
+            "usage": {
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": metrics.get("cached_prompt_tokens", 0)},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion,
+            }
+            if final is not None
+            else None,
+            "system_fingerprint": self.fingerprint,
+            "jinfer": {"seed": req.seed},
+        }
+
+    @staticmethod
+    def _status(final) -> str:
+        return {"length": "incomplete", "error": "failed"}.get(final.finish_reason, "completed")
+
+    async def _respond(self, request, req, body, queue, request_ids) -> JSONResponse:
+        (choice,) = await self._collect(request, req, queue, request_ids)
+        final = choice["final"]
+        output = self._output_items(req, "".join(choice["text"]), final.finish_reason)
+        status = self._status(final)
+        return JSONResponse(self._response(req, body, _new_id("resp"), now(), status, output, final))
+
+    async def _response_events(self, req, body, queue, request_ids):
+        """The Response's typed events (`event:` and `data:` lines), created to completed."""
+        response_id, created, sequence = _new_id("resp"), now(), 0
+
+        def event(kind: str, **fields) -> str:
+            nonlocal sequence
+            data = {"type": kind, "sequence_number": sequence, **fields}
+            sequence += 1
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        tool_stream = ToolStream(req.tool_use) if req.tool_use is not None else None
+        output: list[dict[str, Any]] = []
+        message, text, calls = None, [], []
+
+        def open_message():
+            nonlocal message
+            message = self._message_item("", status="in_progress")
+            output.append(message)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            where = {"item_id": message["id"], "output_index": len(output) - 1, "content_index": 0}
+            return [
+                event("response.output_item.added", output_index=len(output) - 1, item=message),
+                event("response.content_part.added", **where, part=part),
+            ]
+
+        try:
+            start = self._response(req, body, response_id, created, "in_progress", [])
+            yield event("response.created", response=start)
+            yield event("response.in_progress", response=start)
+            final = None
+            while final is None:
+                events = await self._next_batch(queue)
+                if events is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                for _, piece in events:
+                    delta = piece.text if tool_stream is None else tool_stream.add(piece.text)
+                    if piece.finished:
+                        final = piece
+                        if tool_stream is not None:
+                            rest, calls = tool_stream.finish()
+                            delta += rest
+                    if delta:
+                        if message is None:
+                            for line in open_message():
+                                yield line
+                        text.append(delta)
+                        yield event(
+                            "response.output_text.delta",
+                            item_id=message["id"],
+                            output_index=output.index(message),
+                            content_index=0,
+                            delta=delta,
+                            logprobs=[],
+                        )
+            calls = calls if final.finish_reason == "stop" else []
+            if message is None and not calls:
+                for line in open_message():
+                    yield line
+            if message is not None:
+                where = {"item_id": message["id"], "output_index": output.index(message), "content_index": 0}
+                part = {"type": "output_text", "text": "".join(text), "annotations": [], "logprobs": []}
+                message.update(status="completed", content=[part])
+                yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
+                yield event("response.content_part.done", **where, part=part)
+                yield event("response.output_item.done", output_index=where["output_index"], item=message)
+            for call in calls:
+                item = self._call_item(call, status="in_progress")
+                output.append(item)
+                index = len(output) - 1
+                yield event("response.output_item.added", output_index=index, item=item)
+                where = {"item_id": item["id"], "output_index": index}
+                yield event("response.function_call_arguments.delta", **where, delta=call.arguments)
+                yield event("response.function_call_arguments.done", **where, arguments=call.arguments)
+                item.update(arguments=call.arguments, status="completed")
+                yield event("response.output_item.done", output_index=index, item=item)
+            status = self._status(final)
+            done = self._response(req, body, response_id, created, status, output, final)
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+                status, "response.failed"
+            )
+            yield event(kind, response=done)
+        finally:
+            for request_id in request_ids:
+                self.bridge.cancel(request_id)
