@@ -39,6 +39,7 @@ from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.request import PrefillWork, Request, RequestOutput, deliver
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scheduler import Plan, QueueFullError, Scheduler
+from jinfer.scoring import Scorer
 from jinfer.sharding import make_mesh, place_params
 from jinfer.state import pack_chunk
 from jinfer.steps import build_steps
@@ -85,6 +86,10 @@ class Engine:
         shardings = jax.tree.map(lambda a: a.sharding, self.params)
         self.cache_bytes = layout.num_pages * layout.page_size * per_token
         self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, loaded.config.vocab_size)
+        # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
+        self.scorer = Scorer(
+            llama.unpacked(self.params), padded_cfg, loaded.config.vocab_size, layout.max_seq_len
+        )
         self.cache = self.steps.new_cache(self.dtype)
         self.state = self.steps.new_state()
         self.preparer = RequestPreparer(

@@ -11,11 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from functools import partial
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import EngineConfig
@@ -26,8 +23,6 @@ from jinfer.prepare import PreparedRequest
 from jinfer.request import RequestOutput
 from jinfer.sampling import SamplingParams
 from jinfer.tools import ToolCall
-
-MIN_SCORE_BUCKET = 16
 
 
 @dataclasses.dataclass
@@ -74,13 +69,6 @@ class _Collector:
         )
 
 
-def _bucket(n: int) -> int:
-    size = MIN_SCORE_BUCKET
-    while size < n:
-        size *= 2
-    return size
-
-
 class LLM:
     """Load a model, build an engine, and run offline generation, chat and scoring."""
 
@@ -97,7 +85,6 @@ class LLM:
         self.engine = Engine(loaded, config)
         self.preparer = self.engine.preparer
         self.max_seq_len = self.preparer.max_seq_len
-        self._score = jax.jit(partial(_score, cfg=self.engine.steps.model, vocab=self.config.vocab_size))
 
     @property
     def default_sampling(self) -> SamplingParams:
@@ -191,16 +178,7 @@ class LLM:
 
     def score(self, sequences: Sequence[str] | Sequence[Sequence[int]]) -> list[np.ndarray]:
         """log p(x_i | x_<i) for i >= 1 of each sequence, float32, length len - 1."""
-        out = []
-        for seq in sequences:
-            ids = self.preparer.prompt_ids(seq)
-            if len(ids) > self.max_seq_len:
-                raise ValueError(f"sequence of {len(ids)} tokens exceeds max_seq_len={self.max_seq_len}")
-            tokens = np.zeros((1, _bucket(len(ids))), np.int32)
-            tokens[0, : len(ids)] = ids
-            logp = self._score(self.params, jnp.asarray(tokens))
-            out.append(np.asarray(logp[0, : len(ids) - 1], dtype=np.float32))
-        return out
+        return [self.engine.scorer(self.preparer.prompt_ids(seq)).chosen for seq in sequences]
 
     # ----------------------------------------------------------------------------- internal
     def _per_prompt(self, sampling, n: int) -> list[SamplingParams | None]:
@@ -209,11 +187,3 @@ class LLM:
         if len(sampling) != n:
             raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
         return list(sampling)
-
-
-def _score(params, tokens, *, cfg, vocab):
-    """log p(tokens[:, i+1] | tokens[:, :i+1]) for every i: [B, T-1] float32."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    hidden, _ = llama.forward(params, tokens, positions, cfg)
-    logp = jax.nn.log_softmax(llama.logits(params, hidden[:, :-1])[..., :vocab], axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]

@@ -295,6 +295,8 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         self._check_serving()
         req = parse_generation(await self._body(request), kind, self._max_n)
         self._check_model(req.model)
+        if req.score_only:
+            return await self._score_only(req, [p.prompt_ids for p in await self._prepared(req)])
         queue: asyncio.Queue = asyncio.Queue()
         request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
         if req.stream:

@@ -163,6 +163,7 @@ class GenerationRequest:
     parallel_tool_calls: Any = True
     tool_use: Any = None  # set once prepared: how to read tool calls in the output (jinfer.tools.ToolUse)
     seed: int | None = None  # set once submitted: the seed of choice 0 (choice i has seed + i)
+    score_only: bool = False  # completions: echo with max_tokens 0, the prompt scored, nothing generated
 
     @property
     def choices(self) -> int:
@@ -290,6 +291,13 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None and kind == "completion":
         max_tokens = LEGACY_COMPLETIONS_MAX_TOKENS
+    # max_tokens 0 with echo scores the prompt and generates nothing (how evaluation harnesses ask
+    # for a text's log-likelihood).
+    score_only = kind == "completion" and max_tokens == 0 and _bool(body, "echo")
+    if score_only:
+        max_tokens = None
+        if _bool(body, "stream"):
+            raise APIError(400, "max_tokens 0 (scoring the echoed prompt) is not streamed", param="stream")
     n = _integer(body, "n", 1, low=1, high=max_n)
     if len(prompts) * n > max_n:
         raise APIError(
@@ -355,6 +363,7 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         stream=stream,
         include_usage=_bool(stream_options or {}, "include_usage"),
         echo=_bool(body, "echo") if kind == "completion" else False,
+        score_only=score_only,
         top_logprobs=logprobs,
         context_policy=policy,
         user=user,
@@ -409,8 +418,11 @@ def format_logprobs(
         written += data
     return {
         "tokens": tokens,
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{token_text(token_bytes(i)): v for i, v in e["top"].items()} for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],  # None: an echoed prompt's first token
+        "top_logprobs": [
+            None if e["top"] is None else {token_text(token_bytes(i)): v for i, v in e["top"].items()}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 

@@ -32,6 +32,44 @@ def sse_data(body: dict) -> str:
 
 
 class ResponseWriter:
+    async def _prompt_entries(self, req, prompt_ids: list[list[int]], index: int) -> list[dict]:
+        """Log-prob entries of choice `index`'s prompt, for echo with logprobs (the first token has
+        none: nothing comes before it)."""
+        ids = prompt_ids[index // req.n]
+        scored = await asyncio.to_thread(self.engine.scorer, ids)
+        entries = [{"token_id": ids[0], "logprob": None, "top": None}]
+        for i, token in enumerate(ids[1:]):
+            top = zip(
+                scored.top_ids[i, : req.top_logprobs].tolist(),
+                scored.top_logprobs[i, : req.top_logprobs].tolist(),
+                strict=True,
+            )
+            entries.append({"token_id": token, "logprob": float(scored.chosen[i]), "top": dict(top)})
+        return entries
+
+    async def _score_only(self, req, prompt_ids) -> Response:
+        """echo with max_tokens 0: each prompt back with its log-probs, nothing generated."""
+        body_choices = []
+        for index in range(req.choices):
+            entries = (
+                await self._prompt_entries(req, prompt_ids, index) if req.top_logprobs is not None else []
+            )
+            logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries)
+            text = self._prompt_text(req, index)
+            body_choices.append(
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": "length"}
+            )
+        body = {
+            "id": new_id(req.kind),
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": body_choices,
+            "usage": usage([None] * len(prompt_ids), prompt_ids, 0),
+            "system_fingerprint": self.fingerprint,
+        }
+        return JSONResponse(body)
+
     async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
         """The whole response body of a completions or chat request."""
         choices = await self._collect(request, req, queue, request_ids)
@@ -42,7 +80,10 @@ class ResponseWriter:
             completion_tokens += final.metrics["completion_tokens"] if final.metrics else 0
             logprobs = None
             if req.top_logprobs is not None:
-                logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, choice["entries"])
+                entries = choice["entries"]
+                if req.echo:
+                    entries = await self._prompt_entries(req, prompt_ids, index) + entries
+                logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries)
             if req.kind == "chat":
                 message, reason = {"role": "assistant", "content": text}, final.finish_reason
                 parsed = req.tool_use.parse(text) if req.tool_use is not None and reason == "stop" else None
@@ -159,7 +200,9 @@ class ResponseWriter:
                 if req.kind == "chat":
                     yield chunk(index, role=True)
                 elif req.echo:
-                    yield chunk(index, text=self._prompt_text(req, index))
+                    scored = req.top_logprobs is not None
+                    entries = await self._prompt_entries(req, prompt_ids, index) if scored else None
+                    yield chunk(index, text=self._prompt_text(req, index), entries=entries)
             buffers = [{"text": [], "entries": []} for _ in range(req.choices)]
             tool_streams = [ToolStream(req.tool_use) for _ in range(req.choices)] if req.tool_use else None
             while remaining:

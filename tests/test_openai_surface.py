@@ -185,3 +185,34 @@ def test_unknown_fields_are_400s_and_no_effect_fields_are_accepted(servers, path
     assert reply.status_code == status, reply.text
     if status == 400:
         assert reply.json()["error"]["param"] == next(iter(extra))
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_llm_score_does(servers, client, tiny_model):
+    """What evaluation harnesses send for a text's log-likelihood: echo, logprobs, max_tokens 0."""
+    import numpy as np
+
+    import jinfer
+
+    prompt = [5, 17, 42, 99, 7, 250]
+    scored = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=3, max_tokens=0)
+    logprobs = scored.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=1, max_seq_len=128)
+    np.testing.assert_allclose(logprobs.token_logprobs[1:], llm.score([prompt])[0], atol=1e-4)
+    assert all(len(top) == 3 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    generated = client.completions.create(
+        model="tiny", prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0
+    )
+    both = generated.choices[0].logprobs
+    assert len(both.tokens) == len(prompt) + 4 and both.token_logprobs[1:6] == pytest.approx(
+        logprobs.token_logprobs[1:]
+    )
+    streamed = [
+        c.choices[0]
+        for c in client.completions.create(
+            model="tiny", prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0, stream=True
+        )
+    ]
+    assert streamed[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:])
