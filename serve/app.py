@@ -431,6 +431,11 @@ def build_app(
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),
+        # The same without /v1, as llama.cpp's server also answers them (and clients send them).
+        Route("/models", api.models),
+        Route("/completions", api.completions, methods=["POST"]),
+        Route("/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/responses", api.responses, methods=["POST"]),
         WebSocketRoute("/v1/ws", api.websocket),
     ]
     app = Starlette(

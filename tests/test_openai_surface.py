@@ -216,3 +216,13 @@ def test_echo_with_logprobs_scores_the_prompt_as_llm_score_does(servers, client,
         )
     ]
     assert streamed[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:])
+
+
+def test_the_openai_routes_answer_without_the_v1_prefix_too(servers):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for path, body in (
+        ("/chat/completions", chat),
+        ("/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}),
+    ):
+        assert httpx.post(servers[0] + path, json=body, headers=AUTH).status_code == 200
+    assert httpx.get(servers[0] + "/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
