@@ -80,6 +80,12 @@ class AuthMiddleware:
         return any(results)
 
 
+def _event_stream(events) -> StreamingResponse:
+    """Server-Sent Events, never cached or buffered on the way."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -300,9 +306,7 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         queue: asyncio.Queue = asyncio.Queue()
         request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
-            stream = self._sse(req, queue, request_ids, prompt_ids)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            return _event_stream(self._sse(req, queue, request_ids, prompt_ids))
         return await self._complete(request, req, queue, request_ids, prompt_ids)
 
     async def responses(self, request: Request) -> Response:
@@ -314,9 +318,7 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         queue: asyncio.Queue = asyncio.Queue()
         request_ids, _ = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
-            events = self._response_events(req, body, queue, request_ids)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return _event_stream(self._response_events(req, body, queue, request_ids))
         return await self._respond(request, req, body, queue, request_ids)
 
     # ----------------------------------------------------------------------- websocket

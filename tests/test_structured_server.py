@@ -12,6 +12,7 @@ import openai
 import pydantic
 import pytest
 from test_server import running_server
+from test_tools import TOOLS
 
 SCHEMAS = {
     "nested objects": {
@@ -229,37 +230,6 @@ def test_bad_constraints_are_400s_naming_the_field(server, extra, param):
 
 
 # ------------------------------------------------------------------------------------ tools
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 20},
-                    "unit": {"enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 NAMED = {"type": "function", "function": {"name": "add"}}
@@ -420,15 +390,16 @@ def test_the_responses_api_holds_output_to_a_schema_and_calls_tools(client):
     )
     jsonschema.validate(json.loads(shaped.output_text), schema)
     flat_tools = [{"type": "function", **t["function"]} for t in TOOLS]
-    called = client.responses.create(
-        model="smollm2",
-        input=WEATHER,
-        tools=flat_tools,
-        tool_choice="required",
-        temperature=0,
-        parallel_tool_calls=False,
-        max_output_tokens=200,
-    )
+    one_call = {
+        "model": "smollm2",
+        "input": WEATHER,
+        "tools": flat_tools,
+        "tool_choice": "required",
+        "temperature": 0,
+        "parallel_tool_calls": False,
+        "max_output_tokens": 200,
+    }
+    called = client.responses.create(**one_call)
     (call,) = [item for item in called.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
     follow_up = [
@@ -440,18 +411,7 @@ def test_the_responses_api_holds_output_to_a_schema_and_calls_tools(client):
         model="smollm2", input=follow_up, tools=flat_tools, temperature=0, max_output_tokens=60
     )
     assert final.status in ("completed", "incomplete") and final.output
-    streamed = list(
-        client.responses.create(
-            model="smollm2",
-            input=WEATHER,
-            tools=flat_tools,
-            tool_choice="required",
-            temperature=0,
-            parallel_tool_calls=False,
-            max_output_tokens=200,
-            stream=True,
-        )
-    )
+    streamed = list(client.responses.create(**one_call, stream=True))
     done = [
         e.item for e in streamed if e.type == "response.output_item.done" and e.item.type == "function_call"
     ]
