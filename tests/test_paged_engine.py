@@ -135,3 +135,23 @@ def test_out_of_pages_requests_are_preempted_and_resume_with_the_same_tokens(
     stats = llm.engine.stats()
     assert stats["preemptions"] > 0 and sum(r.metrics["preemptions"] for r in results) == stats["preemptions"]
     assert (stats["slots_in_use"], stats["kv_pages_used"], stats["running"], stats["waiting"]) == (0, 0, 0, 0)
+
+
+def test_constrained_requests_are_preempted_and_resume_with_the_same_tokens(model, uncached):
+    """Constrained requests (one token per dispatch, their tokens read before each plan) beside
+    four-step ones, in a pool that preempts: each gets its solo tokens, and the grammar holds."""
+    import re
+
+    llm = jinfer.LLM(
+        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, page_size=16, prefill_buckets=(16, 32),
+        decode_steps=4,
+    )  # fmt: skip
+    letters = jinfer.SamplingParams(
+        max_tokens=90, temperature=0.9, seed=3, regex="[a-z ]{400}", ignore_eos=True
+    )
+    prompts = [_prompt(300 + i, 10 + 3 * i) for i in range(8)]
+    samplings = [letters if i % 2 else dataclass_replace(SAMPLINGS[i % 3], max_tokens=90) for i in range(8)]
+    results = llm.generate(prompts, samplings)
+    assert [r.token_ids for r in results] == uncached(prompts, samplings)
+    assert all(re.fullmatch("[a-z ]{90,400}", r.text) for r in results[1::2])
+    assert llm.engine.stats()["preemptions"] > 0
