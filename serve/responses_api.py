@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 
 from jinfer.tools import ToolStream
 
-from .protocol import APIError, now
+from .protocol import NO_EFFECT_FIELDS, APIError, now
 
 REFUSED = {
     "previous_response_id": "responses are not stored: send the whole conversation as input",
@@ -31,6 +31,17 @@ REFUSED = {
     "include": "no extra output to include is supported",
 }
 PASSED = ("temperature", "top_p", "stream", "user", "parallel_tool_calls", "seed", "top_k", "min_p")
+TRANSLATED = (
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "truncation",
+    "text",
+    "tools",
+    "tool_choice",
+)
+ECHOED = ("metadata", "store")  # returned as sent; nothing is stored
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -111,6 +122,12 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     for name, why in REFUSED.items():
         if body.get(name) not in (None, False, []):
             raise APIError(400, f"'{name}': {why}", param=name)
+    known = {*REFUSED, *PASSED, *TRANSLATED, *ECHOED, *NO_EFFECT_FIELDS}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise APIError(
+            400, f"'{unknown[0]}' is not supported by jinfer's responses endpoint", param=unknown[0]
+        )
     chat = {name: body[name] for name in PASSED if body.get(name) is not None}
     chat["model"] = body.get("model")
     chat["messages"] = _messages(body)

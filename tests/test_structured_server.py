@@ -425,6 +425,7 @@ def test_the_responses_api_holds_output_to_a_schema_and_calls_tools(client):
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"type": "input_image"}]}, "input"),
         ({"truncation": "sometimes"}, "truncation"),
+        ({"max_tool_calls": 2}, "max_tool_calls"),  # a field jinfer does not read is not ignored
     ],
 )
 def test_the_responses_api_refuses_what_it_does_not_do(server, extra, param):
