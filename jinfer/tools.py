@@ -359,12 +359,14 @@ class ToolStream:
         if self.mode == "calls":
             return ""
         marker = self.use.convention.marker
-        if self.mode is None:
+        if self.mode is None:  # blanks so far, or the start of what may be a call: held
             start = self.pending.lstrip()
-            if isinstance(self.use.convention, Llama3) and start.startswith("{"):
-                self.mode = "calls"
+            if not start or marker.startswith(start):
                 return ""
-            if not start:
+            if start.startswith(marker) or (
+                isinstance(self.use.convention, Llama3) and start.startswith("{")
+            ):
+                self.mode, self.pending = "calls", start
                 return ""
             self.mode = "content"
         at = self.pending.find(marker)

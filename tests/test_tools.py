@@ -117,6 +117,8 @@ def test_streaming_holds_back_only_what_may_be_a_call(tokenizer):
     assert rest == "" and [c.name for c in calls] == ["add"]
     text, calls = _stream(auto, ["<tool_call>\n{broken", "</tool_call>"])  # not a call after all: content
     assert text == "<tool_call>\n{broken</tool_call>" and calls == []
+    text, calls = _stream(auto, ["\n", "<tool_", 'call>{"name": "add", "arguments": {}}</tool_call>'])
+    assert text == "" and [c.name for c in calls] == ["add"]  # blanks before a call are not content
     text, calls = _stream(ToolUse(Llama3(tokenizer), "auto"), [' {"name": "add", ', '"parameters": {}}'])
     assert text == "" and [c.name for c in calls] == ["add"]
 
