@@ -257,27 +257,35 @@ def llama_cpp_available() -> bool:
     return True
 
 
+def llama_cpp_source(source_dir: str, wanted: tuple[str, ...]) -> str:
+    """llama.cpp's tree as vendored in the llama-cpp-python source distribution (downloaded from
+    PyPI into source_dir once), with the paths starting with `wanted` extracted; returns its root."""
+    root = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}", "vendor", "llama.cpp")
+    if all(os.path.exists(os.path.join(root, w)) for w in wanted):
+        return root
+    os.makedirs(source_dir, exist_ok=True)
+    archive = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz")
+    if not os.path.exists(archive):
+        package = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
+        download = ["pip", "download", "-q", "--no-deps", "--no-binary", ":all:", package, "-d", source_dir]
+        subprocess.run([sys.executable, "-m", *download], check=True)
+    prefix = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(archive) as tar:
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(wanted)
+        ]
+        tar.extractall(source_dir, members=members, filter="data")
+    return root
+
+
 def llama_cpp_f32_gguf(hf_dir: str, out_path: str, source_dir: str) -> str:
     """Write hf_dir as an F32 GGUF with llama.cpp's own convert_hf_to_gguf.py, taken from the
     llama-cpp-python source distribution (downloaded from PyPI into source_dir once)."""
     if os.path.exists(out_path):
         return out_path
-    root = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}", "vendor", "llama.cpp")
-    if not os.path.exists(os.path.join(root, "convert_hf_to_gguf.py")):
-        os.makedirs(source_dir, exist_ok=True)
-        package = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
-        download = ["pip", "download", "-q", "--no-deps", "--no-binary", ":all:", package, "-d", source_dir]
-        subprocess.run([sys.executable, "-m", *download], check=True)
-        archive = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz")
-        wanted = ("convert_hf_to_gguf.py", "gguf-py/", "conversion/")
-        prefix = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
-        with tarfile.open(archive) as tar:
-            members = [
-                m
-                for m in tar.getmembers()
-                if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(wanted)
-            ]
-            tar.extractall(source_dir, members=members, filter="data")
+    root = llama_cpp_source(source_dir, ("convert_hf_to_gguf.py", "gguf-py/", "conversion/"))
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "gguf-py"))
     subprocess.run(
         [
