@@ -82,12 +82,11 @@ class StepOutput:
 
 @jax.named_scope("sampling")
 def _choose(logits, prompt_mask, counts, bias, banned, allowed, sampling, positions, want_logprobs):
-    """Process raw logits [B, V] and pick one token per row among its allowed ones (allowed [B, W]
-    bitmask, or None: every token); log-probs are of the raw distribution."""
+    """Process raw logits [B, V] and pick one token per row among its allowed ones (allowed [B, W],
+    `jinfer.structured`'s bitmask); log-probs are of the raw distribution."""
     processed = apply_penalties(logits, prompt_mask, counts, sampling) + bias
     processed = jnp.where(banned, -jnp.inf, processed)
-    if allowed is not None:
-        processed = mask_disallowed(processed, allowed)
+    processed = mask_disallowed(processed, allowed)
     token = sample(processed, sampling, positions)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     rows = logits.shape[0]
@@ -204,8 +203,8 @@ def _decode_step(
     attn_len,
     attention_kernel,
 ):
-    """One decode step for the state's rows (slots 0..rows-1; active [rows] bool, allowed [rows, W]
-    or None), carrying a prompt chunk when there is one: every weight is read once for both.
+    """One decode step for the state's rows (slots 0..rows-1; active [rows] bool, allowed [rows, W]),
+    carrying a prompt chunk when there is one: every weight is read once for both.
     Returns the cache, the rows' state, their output [rows] and the chunk's last logits [1, V]
     (None without a chunk)."""
     rows = active.shape[0]
@@ -262,7 +261,7 @@ def _put_rows(full: SlotState, part: SlotState) -> SlotState:
 
 def _decode(params, cache, state, tables, allowed, row_steps, want_logprobs, *, steps, **step_options):
     """`steps` decode steps for slots 0..rows-1 (`lax.scan`), slot i in the first row_steps[i] of
-    them, the allowed-token bitmask applied to the first: the cache, the state and the output
+    them, each sampling under its allowed-token bitmask: the cache, the state and the output
     [steps, rows]."""
     rows = row_steps.shape[0]
 
