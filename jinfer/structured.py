@@ -33,6 +33,11 @@ from jinfer.tokenizer import HFBackend, Tokenizer
 
 ALL_ALLOWED = -1  # a bitmask word with every token allowed
 CACHED_GRAMMARS = 256  # compiled constraints kept (least recently used dropped)
+# The largest constraint taken, as text: llguidance's limits bound its work on one, but an inline
+# schema whose anyOf branches nest (not $ref) grows exponentially inside it before its own size
+# check (measured: 20 levels 10.7 s, 30 out of memory), and such a schema's text doubles with
+# every level too, so a bound on the text bounds the work (1 MiB: 0.7 s at worst measured).
+MAX_CONSTRAINT_BYTES = 2**20
 
 
 def mask_words(vocab_size: int) -> int:
@@ -107,16 +112,47 @@ class _SentencePieceTokens:
         return ids
 
 
+def _json_nodes(value, budget: int) -> int:
+    """Nodes of a JSON value, shared ones counted at each use (as its text repeats them), counting
+    stops past `budget` (a value built from shared parts can be too large to write out)."""
+    count, stack = 0, [value]
+    while stack and count <= budget:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
+def has_constraint(sampling: SamplingParams) -> bool:
+    """Whether the sampling asks for a constraint (without checking it)."""
+    return any(v is not None for v in (sampling.json_schema, sampling.regex, sampling.grammar))
+
+
 def constraint_of(sampling: SamplingParams) -> tuple[str, str] | None:
-    """(kind, text) of a request's constraint, or None: the key its compiled grammar is cached by."""
+    """(kind, text) of a request's constraint, or None: the key its compiled grammar is cached by.
+    RequestError for one past MAX_CONSTRAINT_BYTES."""
     if sampling.json_schema is not None:
         schema = sampling.json_schema
-        return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)  # key order kept
-    if sampling.regex is not None:
-        return "regex", sampling.regex
-    if sampling.grammar is not None:
-        return "grammar", sampling.grammar
-    return None
+        if (
+            not isinstance(schema, str)
+            and _json_nodes(schema, MAX_CONSTRAINT_BYTES // 2) > MAX_CONSTRAINT_BYTES // 2
+        ):
+            raise RequestError(
+                f"json_schema is larger than {MAX_CONSTRAINT_BYTES} bytes written out", "json_schema"
+            )
+        key = "json_schema", schema if isinstance(schema, str) else json.dumps(schema)  # key order kept
+    elif sampling.regex is not None:
+        key = "regex", sampling.regex
+    elif sampling.grammar is not None:
+        key = "grammar", sampling.grammar
+    else:
+        return None
+    if len(key[1].encode("utf-8")) > MAX_CONSTRAINT_BYTES:
+        raise RequestError(f"{key[0]} is larger than {MAX_CONSTRAINT_BYTES} bytes", key[0])
+    return key
 
 
 class Grammars:

@@ -31,7 +31,7 @@ from jinfer.metrics import ServingMetrics
 from jinfer.prepare import ContextLengthError, PreparedRequest, RequestError, check_messages, check_text
 from jinfer.sampling import SEED_LIMIT
 from jinfer.scheduler import QueueFullError
-from jinfer.structured import constraint_of
+from jinfer.structured import has_constraint
 
 from .bridge import EngineBridge
 from .protocol import (
@@ -196,7 +196,7 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
     async def _prepared(self, req: GenerationRequest) -> list[PreparedRequest]:
         """The request prepared; off the event loop when it has a constraint to compile (bounded
         by the grammar library's limits, yet long enough to hold up every other connection)."""
-        if constraint_of(req.sampling) is None and req.tool_choice in (None, "none", "auto"):
+        if not has_constraint(req.sampling) and req.tool_choice in (None, "none", "auto"):
             return self._prepare(req)
         return await asyncio.to_thread(self._prepare, req)
 

@@ -113,6 +113,15 @@ def test_any_walk_through_the_allowed_tokens_spells_a_valid_output(tokenizers, k
         assert re.fullmatch(CODE, text), text
 
 
+def _nested_any_of(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {
+            "anyOf": [{"type": "array", "items": schema}, {"type": "object", "additionalProperties": schema}]
+        }
+    return schema
+
+
 def test_bad_constraints_are_request_errors_naming_the_field_and_good_ones_compile_once(tokenizers):
     grammars = _grammars(tokenizers["bpe"])
     bad = [
@@ -120,8 +129,10 @@ def test_bad_constraints_are_request_errors_naming_the_field_and_good_ones_compi
         (SamplingParams(json_schema={"$ref": "#/$defs/missing"}), "json_schema"),
         (SamplingParams(regex="[0-9"), "regex"),
         (SamplingParams(grammar="start: missing_rule"), "grammar"),
-        # Past the parser's limits (`structured._parser_limits`): refused, however long the list.
+        # Past the size taken (structured.MAX_CONSTRAINT_BYTES), and a schema whose anyOf branches
+        # nest 40 deep (shared parts: 2**40 nodes written out), refused before llguidance sees it.
         (SamplingParams(json_schema={"enum": [f"v{i}" for i in range(200_000)]}), "json_schema"),
+        (SamplingParams(json_schema=_nested_any_of(40)), "json_schema"),
     ]
     for sampling, param in bad:
         with pytest.raises(RequestError) as caught:
