@@ -36,7 +36,7 @@ CACHED_GRAMMARS = 256  # compiled constraints kept (least recently used dropped)
 # The largest constraint taken, as text: llguidance's limits bound its work on one, but an inline
 # schema whose anyOf branches nest (not $ref) grows exponentially inside it before its own size
 # check (measured: 20 levels 10.7 s, 30 out of memory), and such a schema's text doubles with
-# every level too, so a bound on the text bounds the work (1 MiB: 0.7 s at worst measured).
+# every level too, so a bound on the text bounds the work (1 MiB admits 13 levels: 0.31 s, refused).
 MAX_CONSTRAINT_BYTES = 2**20
 
 
