@@ -61,7 +61,7 @@ def _parser_limits():
 def _llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids):
     """The tokenizer as llguidance sees it: every id's bytes, the end-of-sequence ids."""
     eos = list(eos_token_ids) or None
-    backend = tokenizer._backend
+    backend = tokenizer.backend
     if isinstance(backend, HFBackend):
         return llg.LLTokenizer(backend.tok.to_str(), n_vocab=vocab_size, eos_token=eos)
     return llg.LLTokenizer(_SentencePieceTokens(backend.sp, eos), n_vocab=vocab_size, eos_token=eos)

@@ -104,6 +104,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.vocab_size
 
+    @property
+    def backend(self) -> Backend:
+        """The tokenizers or SentencePiece object behind it (for libraries that read a vocabulary)."""
+        return self._backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")

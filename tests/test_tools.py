@@ -196,7 +196,7 @@ def test_the_convention_and_whether_the_template_takes_tools_come_from_the_templ
     from jinfer.tools import convention_of
 
     def with_template(template):
-        return Tokenizer(tokenizer._backend, eos_token_ids=tokenizer.eos_token_ids, chat_template=template)
+        return Tokenizer(tokenizer.backend, eos_token_ids=tokenizer.eos_token_ids, chat_template=template)
 
     native = (
         "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
