@@ -105,8 +105,9 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         self.settings = settings
         self.model_name = model_name
         self.fingerprint = fingerprint  # system_fingerprint (serve/fingerprint.py)
-        # Choices one request may ask for: as many as the engine holds at once, slots and queue.
-        self._max_n = engine.layout.max_slots + engine.layout.max_queue
+        # Choices one request may ask for: its choices enter the waiting queue together (the engine
+        # admits them into slots afterwards), so as many as the queue holds.
+        self._max_n = engine.layout.max_queue
         self.api_keys = api_keys
         self.tokenizer = engine.tokenizer
         self.preparer = engine.preparer

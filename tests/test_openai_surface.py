@@ -15,9 +15,10 @@ ORIGIN = "http://app.example"
 def servers(tiny_model):
     """Two servers of the same model and settings, the second also allowing ORIGIN (CORS)."""
     path = tiny_model("llama_gqa_untied")[0]
+    options = [*TINY_OPTIONS, "--max-queue", "8"]  # room for a request's choices past the 2 slots
     with (
-        running_server(path, *TINY_OPTIONS) as (first, _),
-        running_server(path, *TINY_OPTIONS, "--cors-origins", ORIGIN) as (second, _),
+        running_server(path, *options) as (first, _),
+        running_server(path, *options, "--cors-origins", ORIGIN) as (second, _),
     ):
         yield first, second
 
