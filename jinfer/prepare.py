@@ -139,6 +139,8 @@ class RequestPreparer:
         self.sampling_defaults = dict(sampling_defaults)
         self.context_policy = context_policy
         self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)
+        # How this model calls tools, and whether its chat template takes them (jinfer.tools).
+        self.tool_convention, self.template_takes_tools = convention_of(tokenizer)
 
     # ------------------------------------------------------------------------------ parts
     def sampling(self, sampling: SamplingParams | None) -> SamplingParams:
@@ -183,9 +185,9 @@ class RequestPreparer:
         (`jinfer.tools.conversation_for`)."""
         if not self.tokenizer.chat_template:
             raise RequestError("this model has no chat template; send a plain prompt instead", "messages")
-        convention, native = convention_of(self.tokenizer)
+        native = self.template_takes_tools
         extra = {"tools": [t.openai() for t in tools]} if native and tools else {}
-        messages = conversation_for(messages, list(tools), convention, native)
+        messages = conversation_for(messages, list(tools), self.tool_convention, native)
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
@@ -259,7 +261,7 @@ class RequestPreparer:
         choice = parse_tool_choice(tool_choice, offered)
         if choice == "none":
             return [], None, sampling
-        convention = convention_of(self.tokenizer)[0]
+        convention = self.tool_convention
         if choice != "auto":
             if constraint_of(sampling) is not None:
                 raise RequestError(

@@ -266,7 +266,7 @@ class Scheduler:
             taken = request.dispatch_tokens(len(tokens_by_row[row]))
             request.in_flight -= taken
             for step, (token, is_bad) in enumerate(
-                zip(tokens_by_row[row][:taken], bad_by_row[row], strict=False)
+                zip(tokens_by_row[row][:taken], bad_by_row[row][:taken], strict=True)
             ):
                 if request.finished:
                     break

@@ -149,10 +149,11 @@ class Convention:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def _marker_rule(self) -> str:
-        """The marker in a Lark grammar: its token where it is one special token, else its text."""
-        token = self.tokenizer.token_to_id(self.marker)
-        return f"<[{token}]>" if token is not None else json.dumps(self.marker)
+    def _literal(self, text: str) -> str:
+        """`text` in a Lark grammar: its token where it is one token of the vocabulary (a special
+        token such as [TOOL_CALLS]), else the text."""
+        token = self.tokenizer.token_to_id(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text)
 
     @staticmethod
     def _call_schema(tools: list[Tool], arguments_key: str) -> dict[str, Any]:
@@ -206,16 +207,12 @@ def _calls_of(objects: list[Any], arguments_key: str) -> list[ToolCall] | None:
 class Hermes(Convention):
     name, marker, end = "hermes", "<tool_call>", "</tool_call>"
 
-    def _end_rule(self) -> str:
-        token = self.tokenizer.token_to_id(self.end)
-        return f"<[{token}]>" if token is not None else json.dumps(self.end)
-
     def grammar(self, tools, parallel):
         schema = json.dumps(self._call_schema(tools, "arguments"))
         repeat = ' ("\\n" call)*' if parallel else ""
         return (
             f"start: call{repeat}\n"
-            f'call: {self._marker_rule()} "\\n" body "\\n" {self._end_rule()}\n'
+            f'call: {self._literal(self.marker)} "\\n" body "\\n" {self._literal(self.end)}\n'
             f"body: %json {schema}\n"
         )
 
@@ -268,7 +265,7 @@ class Mistral(Convention):
         schema = {"type": "array", "items": call, "minItems": 1, "x-guidance": call.pop("x-guidance")}
         if not parallel:
             schema["maxItems"] = 1
-        return f"start: {self._marker_rule()} body\nbody: %json {json.dumps(schema)}\n"
+        return f"start: {self._literal(self.marker)} body\nbody: %json {json.dumps(schema)}\n"
 
     def parse(self, text):
         start = text.find(self.marker)

@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -99,12 +100,13 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         settings: ServerConfig,
         model_name: str,
         api_keys: tuple[str, ...] = (),
-        fingerprint: str | None = None,
+        fingerprint: Callable[[], str] | None = None,
     ):
         self.engine = engine
         self.settings = settings
         self.model_name = model_name
-        self.fingerprint = fingerprint  # system_fingerprint (serve/fingerprint.py)
+        self._fingerprint = fingerprint  # computes system_fingerprint (serve/fingerprint.py) in the warm-up
+        self.fingerprint: str | None = None  # on every response once ready
         # Choices one request may ask for: its choices enter the waiting queue together (the engine
         # admits them into slots afterwards), so as many as the queue holds.
         self._max_n = engine.layout.max_queue
@@ -126,6 +128,9 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
     async def _warm_up(self) -> None:
         try:
             seconds = await asyncio.to_thread(self.engine.warmup)
+            if self._fingerprint is not None:
+                self.fingerprint = await asyncio.to_thread(self._fingerprint)
+                log.info("system_fingerprint %s", self.fingerprint)
         except Exception:
             log.exception("warm-up failed; the server stays unready")
             return
@@ -398,7 +403,7 @@ def build_app(
     settings: ServerConfig | None = None,
     model_name: str = "jinfer",
     api_keys: tuple[str, ...] = (),
-    fingerprint: str | None = None,
+    fingerprint: Callable[[], str] | None = None,
 ) -> tuple[Starlette, JinferAPI]:
     settings = settings or ServerConfig()
     api = JinferAPI(engine, settings, model_name, api_keys, fingerprint)

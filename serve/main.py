@@ -195,9 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         peak_resident_bytes() / 2**20,
         engine.preparer.sampling(None),
     )
-    fingerprint = system_fingerprint(engine, model_path)
-    log.info("system_fingerprint %s", fingerprint)
-    app, api = build_app(engine, server, name, keys, fingerprint)
+    # Hashing the model's files takes a while for a large model: done during the warm-up.
+    app, api = build_app(engine, server, name, keys, lambda: system_fingerprint(engine, model_path))
     config = uvicorn.Config(
         app,
         log_level=server.log_level,

@@ -264,7 +264,7 @@ def api_param(param: str | None) -> str | None:
 
 def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationRequest:
     """A completions or chat body, its fields checked for type; `max_n`: the most choices (n) a
-    request may ask for (the engine's slots)."""
+    request may ask for (the engine's waiting queue)."""
     _check_fields(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -400,11 +400,11 @@ def format_logprobs(
     if not entries:
         return None
     if kind == "chat":
-        entry = lambda i, v: {
-            "token": token_text(token_bytes(i)),
-            "logprob": v,
-            "bytes": list(token_bytes(i)),
-        }
+
+        def entry(i, v):
+            data = token_bytes(i)
+            return {"token": token_text(data), "logprob": v, "bytes": list(data)}
+
         content = []
         for e in entries:
             top = [entry(i, v) for i, v in e["top"].items()]

@@ -32,28 +32,29 @@ def sse_data(body: dict) -> str:
 
 
 class ResponseWriter:
-    async def _prompt_entries(self, req, prompt_ids: list[list[int]], index: int) -> list[dict]:
-        """Log-prob entries of choice `index`'s prompt, for echo with logprobs (the first token has
-        none: nothing comes before it)."""
-        ids = prompt_ids[index // req.n]
-        scored = await asyncio.to_thread(self.engine.scorer, ids)
-        entries = [{"token_id": ids[0], "logprob": None, "top": None}]
-        for i, token in enumerate(ids[1:]):
-            top = zip(
-                scored.top_ids[i, : req.top_logprobs].tolist(),
-                scored.top_logprobs[i, : req.top_logprobs].tolist(),
-                strict=True,
-            )
-            entries.append({"token_id": token, "logprob": float(scored.chosen[i]), "top": dict(top)})
-        return entries
+    async def _prompt_entries(self, req, prompt_ids: list[list[int]]) -> list[list[dict]]:
+        """Log-prob entries of each prompt (scored once, whatever its n), for echo with logprobs;
+        the first token has none: nothing comes before it. Choice i's are [i // n]."""
+        out = []
+        for ids in prompt_ids:
+            scored = await asyncio.to_thread(self.engine.scorer, ids)
+            entries = [{"token_id": ids[0], "logprob": None, "top": None}]
+            for i, token in enumerate(ids[1:]):
+                top = zip(
+                    scored.top_ids[i, : req.top_logprobs].tolist(),
+                    scored.top_logprobs[i, : req.top_logprobs].tolist(),
+                    strict=True,
+                )
+                entries.append({"token_id": token, "logprob": float(scored.chosen[i]), "top": dict(top)})
+            out.append(entries)
+        return out
 
     async def _score_only(self, req, prompt_ids) -> Response:
         """echo with max_tokens 0: each prompt back with its log-probs, nothing generated."""
         body_choices = []
+        scored = await self._prompt_entries(req, prompt_ids) if req.top_logprobs is not None else None
         for index in range(req.choices):
-            entries = (
-                await self._prompt_entries(req, prompt_ids, index) if req.top_logprobs is not None else []
-            )
+            entries = scored[index // req.n] if scored is not None else []
             logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries)
             text = self._prompt_text(req, index)
             body_choices.append(
@@ -73,6 +74,8 @@ class ResponseWriter:
     async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
         """The whole response body of a completions or chat request."""
         choices = await self._collect(request, req, queue, request_ids)
+        echoed = req.echo and req.top_logprobs is not None
+        scored = await self._prompt_entries(req, prompt_ids) if echoed else None
         body_choices, completion_tokens = [], 0
         for index, choice in enumerate(choices):
             final = choice["final"]
@@ -81,8 +84,8 @@ class ResponseWriter:
             logprobs = None
             if req.top_logprobs is not None:
                 entries = choice["entries"]
-                if req.echo:
-                    entries = await self._prompt_entries(req, prompt_ids, index) + entries
+                if scored is not None:
+                    entries = scored[index // req.n] + entries
                 logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries)
             if req.kind == "chat":
                 message, reason = {"role": "assistant", "content": text}, final.finish_reason
@@ -196,12 +199,13 @@ class ResponseWriter:
         remaining = req.choices
         timing_list = [None] * req.choices
         try:
+            echoed = req.echo and req.top_logprobs is not None
+            scored = await self._prompt_entries(req, prompt_ids) if echoed else None
             for index in range(req.choices):
                 if req.kind == "chat":
                     yield chunk(index, role=True)
                 elif req.echo:
-                    scored = req.top_logprobs is not None
-                    entries = await self._prompt_entries(req, prompt_ids, index) if scored else None
+                    entries = scored[index // req.n] if scored is not None else None
                     yield chunk(index, text=self._prompt_text(req, index), entries=entries)
             buffers = [{"text": [], "entries": []} for _ in range(req.choices)]
             tool_streams = [ToolStream(req.tool_use) for _ in range(req.choices)] if req.tool_use else None
