@@ -255,11 +255,7 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:
-        model_id = request.path_params["model_id"]
-        if model_id != self.model_name:
-            raise APIError(
-                404, f"the model '{model_id}' does not exist", param="model", code="model_not_found"
-            )
+        self._check_model(request.path_params["model_id"])  # another id: 404 model_not_found
         return JSONResponse(self._model_card())
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -454,10 +450,8 @@ def build_app(
     app.add_middleware(AuthMiddleware, keys=api_keys)
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no key
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+        methods, headers = ["GET", "POST", "OPTIONS"], ["Authorization", "Content-Type", "X-API-Key"]
         app.add_middleware(
-            CORSMiddleware,
-            allow_origins=origins,
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-API-Key"],
+            CORSMiddleware, allow_origins=origins, allow_methods=methods, allow_headers=headers
         )
     return app, api
