@@ -8,9 +8,10 @@
 
 The loop sleeps on a condition variable when there is nothing to do (no polling). Tokens of the
 iteration just dispatched are read only after the next one is queued, so the host's detokenizing
-and bookkeeping overlap the device's work, except while a constrained request (`jinfer.structured`)
-has a token in flight: its next allowed set depends on that token, so the iteration reads it
-before it plans. A failing device call fails only the requests it
+and bookkeeping overlap the device's work. A constrained request (`jinfer.structured`) keeps that
+overlap: its decode row is deferred (fed, not sampled), and the next iteration, once the token
+before is read, dispatches `sample` under its allowed set before queueing the next decode behind
+it. A failing device call fails only the requests it
 touched (all running ones, for decode) with a clear error; the cache is rebuilt and the engine
 keeps serving.
 """
@@ -41,7 +42,7 @@ from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scheduler import Plan, QueueFullError, Scheduler
 from jinfer.scoring import Scorer
 from jinfer.sharding import make_mesh, place_params
-from jinfer.state import pack_chunk
+from jinfer.state import pack_chunk, pack_history
 from jinfer.steps import build_steps
 from jinfer.structured import ALL_ALLOWED
 from jinfer.tokenizer import TextStream
@@ -116,6 +117,7 @@ class Engine:
         self._tables = self.steps.put_tables(self.kv.tables)  # the device's copy, as of _tables_version
         self._tables_version = self.kv.version
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
+        self._deferred: list[Request | None] | None = None  # per slot: decoded, waiting for `sample`
         self.dispatch_counts = DispatchCounts()  # written by the loop thread only
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -138,6 +140,7 @@ class Engine:
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
         tables, allowed = self._tables, self.steps.unconstrained
+        deferred = np.zeros(self.layout.max_slots, bool)
         for size in self.layout.prefill_buckets:
             chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out = self.steps.prefill(
@@ -146,16 +149,17 @@ class Engine:
         for (rows, _), decode in self.steps.decode.items():
             idle = np.zeros(rows, np.int32)
             self.cache, self.state, out = decode(
-                self.params, self.cache, self.state, tables, allowed, idle, np.False_
+                self.params, self.cache, self.state, tables, idle, deferred[:rows], np.False_
             )
+            self.state, out = self.steps.sample(self.state, allowed, deferred[:rows], np.False_)
         for (rows, _), mixed in self.steps.mixed.items():
             idle = np.zeros(rows, np.int32)
             size = self.layout.mixed_chunk_len(rows)
             chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
             self.cache, self.state, out, _ = mixed(
-                self.params, self.cache, self.state, tables, allowed, idle, np.False_, chunk
+                self.params, self.cache, self.state, tables, allowed, idle, deferred[:rows], np.False_, chunk
             )
-        self.state = self.steps.history(self.state, self._history_arrays(0, [], 0))
+        self.state = self.steps.history(self.state, pack_history(0, [], 0, self.layout.max_seq_len))
         self.cache = self.steps.clear_pages(self.cache, self._page_list([]))
         jax.block_until_ready((out, self.cache, self.state))
         return time.perf_counter() - start
@@ -247,19 +251,22 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self.scheduler.has_work and not self._pending:
+                while (
+                    not self._stopping
+                    and not self.scheduler.has_work
+                    and not self._pending
+                    and self._deferred is None
+                ):
                     self._lock.wait()
                 if self._stopping:
                     return
             self.step()
 
     def step(self) -> None:
-        """One iteration: plan, dispatch, then commit what the previous iteration produced (before
-        planning, when a constrained request is waiting for its token)."""
-        if any(r is not None and r.constraint is not None for owners, _ in self._pending for r in owners):
-            previous, self._pending = self._pending, []
-            for owners, out in previous:
-                self._commit(owners, out)
+        """One iteration: sample the rows the last decode deferred, plan, dispatch, then commit what
+        the previous iteration produced."""
+        if self._deferred is not None:
+            self._sample_deferred()
         with self._lock:
             plan = self.scheduler.plan()
             self._lock.notify_all()  # the queue may have room now
@@ -272,7 +279,7 @@ class Engine:
     def run_until_idle(self) -> None:
         while True:
             with self._lock:
-                idle = not self.scheduler.has_work and not self._pending
+                idle = not self.scheduler.has_work and not self._pending and self._deferred is None
             if idle:
                 return
             self.step()
@@ -283,12 +290,13 @@ class Engine:
         if self._tables_version != self.kv.version:
             # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
             self._tables, self._tables_version = self.steps.put_tables(self.kv.tables.copy()), self.kv.version
-        allowed = self._allowed(plan)
+        sampled = [w.request for w in (*plan.prefills, plan.fused) if w is not None and w.last]
+        allowed = self._allowed(sampled)
         for work in plan.prefills:
             size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
             try:
                 self._set_history(work)
-                chunk = self._chunk_arrays(work, size)
+                chunk = work.packed(size, self.steps.vocab_size)
                 self.cache, self.state, out = self.steps.prefill(
                     self.params, self.cache, self.state, self._tables, allowed, chunk
                 )
@@ -307,8 +315,10 @@ class Engine:
         owners = plan.decode_owners[:rows]
         steps = dispatch_steps(self.layout.decode_steps, mixed=plan.fused is not None)
         row_steps = np.array([0 if r is None else r.dispatch_tokens(steps) for r in owners], np.int32)
+        deferred = np.array([r is not None and r.constraint is not None for r in owners])
         running = [r for r in owners if r is not None]
-        want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in running))
+        sampled_here = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
+        want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in sampled_here))
         # The device may be one dispatch ahead of what the host has read, and this dispatch adds
         # decode_steps more positions: attend over a bucket that surely holds them all (and the
         # carried prompt chunk's positions).
@@ -322,12 +332,15 @@ class Engine:
         try:
             if fused is not None:
                 self._set_history(fused)
-            args = (self.params, self.cache, self.state, self._tables, allowed, row_steps, want_logprobs)
+            args = (self.params, self.cache, self.state, self._tables)
+            rows_args = (row_steps, deferred, want_logprobs)
             if fused is None:
-                self.cache, self.state, out = self.steps.decode[rows, attn_len](*args)
+                self.cache, self.state, out = self.steps.decode[rows, attn_len](*args, *rows_args)
             else:
-                chunk = self._chunk_arrays(fused, self.layout.mixed_chunk_len(rows))
-                self.cache, self.state, out, chunk_out = self.steps.mixed[rows, attn_len](*args, chunk)
+                chunk = fused.packed(self.layout.mixed_chunk_len(rows), self.steps.vocab_size)
+                self.cache, self.state, out, chunk_out = self.steps.mixed[rows, attn_len](
+                    *args, allowed, *rows_args, chunk
+                )
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)
             return dispatched
@@ -338,44 +351,48 @@ class Engine:
         if fused is not None:
             counts.mixed_dispatches += 1
             counts.mixed_tokens += len(fused.tokens)
-        dispatched.append((owners, out))
+        dispatched.append(([None if d else r for r, d in zip(owners, deferred, strict=True)], out))
+        if deferred.any():
+            self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
         if fused is not None and fused.last:
             dispatched.append(([fused.request], chunk_out))
         return dispatched
 
-    def _allowed(self, plan: Plan):
-        """The allowed-token bitmask of every slot the plan samples for: each constrained request's
-        next allowed set in its slot's row (the device's every-bit-set array when there is none)."""
-        sampled = [w.request for w in (*plan.prefills, plan.fused) if w is not None and w.last]
-        constrained = [
-            r for r in (*sampled, *plan.decode_owners) if r is not None and r.constraint is not None
-        ]
+    def _sample_deferred(self) -> None:
+        """Dispatch `sample` for the rows the last decode deferred, under their allowed sets. Those
+        follow from every token before, so the outputs holding constrained requests' tokens are read
+        first (they were dispatched before the decode now running: ready, or nearly)."""
+        owners, self._deferred = self._deferred, None
+        constrained = lambda entry: any(r is not None and r.constraint is not None for r in entry[0])
+        first = [entry for entry in self._pending if constrained(entry)]
+        self._pending = [entry for entry in self._pending if not constrained(entry)]
+        for entry in first:
+            self._commit(*entry)
+        owners = [r if r is not None and not r.finished else None for r in owners]
+        if not any(owners):
+            return
+        deferred = np.array([r is not None for r in owners])
+        want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in owners if r is not None))
+        try:
+            allowed = self._allowed([r for r in owners if r is not None])
+            self.state, out = self.steps.sample(self.state, allowed, deferred, want_logprobs)
+        except Exception as e:
+            self._recover([r for r in owners if r is not None], e)
+            return
+        self.dispatch_counts.sample_dispatches += 1
+        self._pending.append((owners, out))
+
+    def _allowed(self, sampled: list[Request]):
+        """The allowed-token bitmask for a dispatch that samples these requests' next tokens: each
+        constrained one's allowed set in its slot's row (the device's every-bit-set array when none
+        is constrained)."""
+        constrained = [r for r in sampled if r.constraint is not None]
         if not constrained:
             return self.steps.unconstrained
         allowed = np.full(self.steps.unconstrained.shape, ALL_ALLOWED, np.int32)  # fresh: see put_allowed
         for request in constrained:
             request.constraint.fill(allowed[request.slot])
         return self.steps.put_allowed(allowed)
-
-    def _chunk_arrays(self, work: PrefillWork, size: int):
-        """One prompt chunk packed for the device, padded to `size` tokens."""
-        tokens = np.zeros(size, np.int32)
-        tokens[: len(work.tokens)] = work.tokens
-        request, sp = work.request, work.request.sampling
-        return pack_chunk(
-            tokens,
-            work.slot,
-            work.start,
-            len(work.tokens),
-            work.last,
-            request.generated_before,
-            sp.min_tokens,
-            sp.logit_bias or {},
-            sorted(request.stop_ids),
-            SamplingArrays.from_params([sp], [request.seed]),
-            self.steps.vocab_size,
-            sp.logprobs is not None,
-        )
 
     def _set_history(self, work: PrefillWork) -> None:
         """Before a penalised request's first chunk: its slot's prompt mask and output counts, from
@@ -384,14 +401,10 @@ class Engine:
         sp = work.request.sampling
         if work.first and (sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty):
             request = work.request
-            packed = self._history_arrays(work.slot, request.prefill_ids, len(request.prompt_ids))
+            packed = pack_history(
+                work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len
+            )
             self.state = self.steps.history(self.state, packed)
-
-    def _history_arrays(self, slot: int, tokens: list[int], prompt_len: int) -> np.ndarray:
-        packed = np.zeros(3 + self.layout.max_seq_len, np.int32)
-        packed[:3] = slot, prompt_len, len(tokens)
-        packed[3 : 3 + len(tokens)] = tokens
-        return packed
 
     def _page_list(self, pages: list[int]) -> np.ndarray:
         """Pages for `clear_pages`, padded with the pool size (dropped)."""

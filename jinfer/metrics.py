@@ -37,6 +37,7 @@ class DispatchCounts:
     decode_steps: int = 0
     decode_active_row_steps: int = 0
     decode_idle_row_steps: int = 0
+    sample_dispatches: int = 0  # deferred (constrained) rows sampled on their own
 
 
 class _DispatchCollector:
@@ -72,6 +73,11 @@ class _DispatchCollector:
             ),
             CounterMetricFamily(
                 "jinfer_mixed_prompt_tokens", "Prompt tokens carried by decode dispatches", c.mixed_tokens
+            ),
+            CounterMetricFamily(
+                "jinfer_sample_dispatches",
+                "Dispatches sampling constrained rows under their allowed sets",
+                c.sample_dispatches,
             ),
         )
 

@@ -1,6 +1,6 @@
 """What the host knows of one request while it runs: `Request` (its ids, settings, pages, progress
 and timings, kept by the scheduler), the `RequestOutput` events its sink receives, and the
-`PrefillWork` the scheduler plans for it.
+`PrefillWork` the scheduler plans for it (packed for the device by `PrefillWork.packed`).
 
 Plain Python: the scheduler (`jinfer.scheduler`) owns every change to a request; the engine and
 the server read them.
@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jinfer.paging import SequencePages
-from jinfer.sampling import SamplingParams
+from jinfer.sampling import SamplingArrays, SamplingParams
+from jinfer.state import PackedChunk, pack_chunk
 from jinfer.structured import Constraint
 from jinfer.tokenizer import TextStream
 
@@ -75,8 +76,9 @@ class Request:
     def wants_decode(self) -> bool:
         """Running, and the tokens already in flight do not reach max_tokens: a decode dispatch for
         a request that work on the device will surely finish would only compute discarded tokens.
-        A constrained request also waits for its token in flight: its next allowed set depends on it."""
-        if self.constraint is not None and self.in_flight:
+        A constrained request runs at most one step ahead of what the host has read: the engine
+        samples that step (deferred) once the token before it is read, as its allowed set needs."""
+        if self.constraint is not None and self.in_flight > 1:
             return False
         return self.running and len(self.output_ids) + self.in_flight < self.max_tokens
 
@@ -124,6 +126,26 @@ class PrefillWork:
     tokens: list[int]  # the chunk (unpadded)
     last: bool  # the final chunk: its sampled token is the request's next output token
     first: bool  # the first chunk this admission computes (the slot's penalty history is set then)
+
+    def packed(self, size: int, vocab: int) -> PackedChunk:
+        """The chunk and its request's settings packed for the device, padded to `size` tokens."""
+        tokens = np.zeros(size, np.int32)
+        tokens[: len(self.tokens)] = self.tokens
+        request, sp = self.request, self.request.sampling
+        return pack_chunk(
+            tokens,
+            self.slot,
+            self.start,
+            len(self.tokens),
+            self.last,
+            request.generated_before,
+            sp.min_tokens,
+            sp.logit_bias or {},
+            sorted(request.stop_ids),
+            SamplingArrays.from_params([sp], [request.seed]),
+            vocab,
+            sp.logprobs is not None,
+        )
 
 
 class Event(NamedTuple):

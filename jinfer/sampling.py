@@ -7,6 +7,9 @@ seed folded with the token position: a row's draw never depends on its neighbour
     logits [B, V] -> penalties (repetition / presence / frequency) -> + logit_bias
         -> constrained rows: -inf outside the allowed tokens
         -> greedy rows: argmax | sampled rows: / temperature -> top-k -> top-p -> min-p -> categorical
+
+`choose` runs that chain for the steps (`jinfer.steps`) and gives what leaves the device per step
+(`StepOutput`: tokens, a non-finite flag, and log-probs when some row asks for them).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class RequestError(ValueError):
 
 
 INT32_MAX = 2**31 - 1  # integer knobs reach the device as int32
+TOP_LOGPROBS = 20  # alternatives computed when any request wants log-probs (OpenAI's maximum)
 SEED_LIMIT = 2**64  # seeds are any 64-bit value; the device folds them to 32 bits
 
 # The knobs a model's generation_config.json (or its preset) may set; unset (None) on a request,
@@ -219,15 +223,20 @@ def apply_penalties(
 ) -> jax.Array:
     """Repetition penalty over prompt + output tokens; presence/frequency over output tokens.
 
-    logits [B, V] float32; prompt_mask [B, V] bool; output_counts [B, V] int32.
+    logits [B, V] float32; prompt_mask [B, V] bool; output_counts [B, V] int32. A batch without
+    penalties skips the passes over the vocabulary (`lax.cond`): neutral ones change no bit.
     """
-    seen = prompt_mask | (output_counts > 0)
-    rep = s.repetition_penalty[:, None]
-    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = jnp.where(seen, penalised, logits)
-    counts = output_counts.astype(jnp.float32)
-    logits = logits - s.frequency_penalty[:, None] * counts
-    return logits - s.presence_penalty[:, None] * (counts > 0)
+
+    def penalise():
+        seen = prompt_mask | (output_counts > 0)
+        rep = s.repetition_penalty[:, None]
+        penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+        counts = output_counts.astype(jnp.float32)
+        out = jnp.where(seen, penalised, logits) - s.frequency_penalty[:, None] * counts
+        return out - s.presence_penalty[:, None] * (counts > 0)
+
+    neutral = (s.repetition_penalty == 1.0) & (s.frequency_penalty == 0.0) & (s.presence_penalty == 0.0)
+    return jax.lax.cond(jnp.all(neutral), lambda: logits, penalise)
 
 
 def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -302,6 +311,54 @@ def token_logprobs(
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(logp, top_n)
     return chosen, top_values, top_ids.astype(jnp.int32)
+
+
+@struct.dataclass
+class StepOutput:
+    """What leaves the device per step: [steps, rows] arrays (rows = slots, or 1 for prefill)."""
+
+    tokens: jax.Array  # int32
+    bad: jax.Array  # bool: the logits were not all finite; the token must not be used
+    logprobs: jax.Array  # float32 log p of the chosen token (zeros unless asked for)
+    top_ids: jax.Array  # [..., TOP_LOGPROBS] int32
+    top_logprobs: jax.Array  # [..., TOP_LOGPROBS] float32
+
+
+@jax.named_scope("sampling")
+def choose(
+    logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, positions, want_logprobs
+):
+    """Process raw logits [B, V] and pick one token per row among its allowed ones (allowed [B, W],
+    `jinfer.structured`'s bitmask, or None: every row unconstrained); rows `banning` [B] (short of
+    their min_tokens) may not take a stop token (stop_mask [B, V]). Log-probs are of the raw
+    distribution."""
+    processed = apply_penalties(logits, prompt_mask, counts, sampling) + bias
+    processed = jax.lax.cond(
+        jnp.any(banning),
+        lambda: jnp.where(stop_mask & banning[:, None], -jnp.inf, processed),
+        lambda: processed,
+    )
+    if allowed is not None:
+        processed = mask_disallowed(processed, allowed)
+    token = sample(processed, sampling, positions)
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
+
+    def skip(logits, token):
+        nothing = nothing_chosen(logits.shape[0])
+        return nothing.logprobs, nothing.top_logprobs, nothing.top_ids
+
+    chosen, top_values, top_ids = jax.lax.cond(
+        want_logprobs, lambda logits, token: token_logprobs(logits, token, TOP_LOGPROBS), skip, logits, token
+    )
+    return token, StepOutput(token, bad, chosen, top_ids, top_values)
+
+
+def nothing_chosen(rows: int) -> StepOutput:
+    """The output of rows nothing was sampled for (zeros)."""
+    top = jnp.zeros((rows, TOP_LOGPROBS))
+    return StepOutput(
+        jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), top[:, 0], top.astype(jnp.int32), top
+    )
 
 
 def check_model_defaults(values: Mapping[str, Any], where: str) -> dict[str, Any]:

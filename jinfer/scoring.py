@@ -19,8 +19,8 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.models import llama
+from jinfer.sampling import TOP_LOGPROBS
 
-TOP_LOGPROBS = 20  # alternatives computed per position (OpenAI's maximum)
 MIN_BUCKET = 16
 
 

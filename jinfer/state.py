@@ -36,6 +36,7 @@ class SlotState:
     prompt_mask: jax.Array  # [S, V] bool: tokens of the prompt (repetition penalty; set by `history`)
     bias: jax.Array  # [S, V] float32: logit bias
     stop_mask: jax.Array  # [S, V] bool: eos + stop_token_ids
+    logits: jax.Array  # [S, V] float32: a deferred decode row's logits, until `sample` takes them
     sampling: SamplingArrays  # [S] knobs
 
 
@@ -59,6 +60,7 @@ STATE = SlotState(
     prompt_mask=StateSpec(("slots", "vocab"), jnp.bool_, False),
     bias=StateSpec(("slots", "vocab"), jnp.float32, 0.0),
     stop_mask=StateSpec(("slots", "vocab"), jnp.bool_, False),
+    logits=StateSpec(("slots", "vocab"), jnp.float32, 0.0),
     sampling=jax.tree.map(lambda a: StateSpec(("slots",), a.dtype, a[0]), _EMPTY_KNOBS),
 )
 
@@ -200,3 +202,11 @@ def pack_chunk(
         ints=np.concatenate([*packed_ints, np.asarray(tokens, np.int32)]),
         floats=np.concatenate(packed_floats),
     )
+
+
+def pack_history(slot: int, tokens: list[int], prompt_len: int, max_seq_len: int) -> np.ndarray:
+    """The `history` verb's argument: [slot, prompt length, length, tokens padded to max_seq_len]."""
+    packed = np.zeros(3 + max_seq_len, np.int32)
+    packed[:3] = slot, prompt_len, len(tokens)
+    packed[3 : 3 + len(tokens)] = tokens
+    return packed

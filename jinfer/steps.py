@@ -10,15 +10,16 @@ host's block tables [slots, max_pages] (not donated: the host re-uploads them wh
       starts past them). The last real position's logits give the request's first token, sampled
       on device; the slot's state row is (re)initialised from the request (sampling knobs, logit
       bias, stop ids, how many tokens it generated before a preemption).
-  decode[rows, attn_len](params, cache, state, tables, allowed, row_steps, want_logprobs)
+  decode[rows, attn_len](params, cache, state, tables, row_steps, deferred, want_logprobs)
       -> cache, state, out
       `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
       slot's last token, samples the next one per slot and keeps it on device for the following
-      step. Slot i takes part in the first row_steps[i] steps (0: inactive; 1: a constrained
-      request, whose next allowed tokens the host must compute first); a slot not taking part
-      computes too (shapes are fixed) but neither writes nor advances.
-  mixed[rows, attn_len](params, cache, state, tables, allowed, row_steps, want_logprobs, chunk)
-      -> ..., out, chunk_out
+      step. Slot i takes part in the first row_steps[i] steps (0: inactive); a slot not taking
+      part computes too (shapes are fixed) but neither writes nor advances. A deferred slot (a
+      constrained request: one step) is fed and written but not sampled: its logits wait in the
+      state for `sample`.
+  mixed[rows, attn_len](params, cache, state, tables, allowed, row_steps, deferred, want_logprobs,
+        chunk) -> ..., out, chunk_out
       One decode step that also prefills a prompt chunk (padded to `mixed_chunk_len(rows)`) into
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
@@ -36,10 +37,17 @@ an attention kernel, which reads only each row's filled part itself, there is on
 Log-probs are computed under `lax.cond` when some request asks for them, so they cost nothing
 otherwise and need no compiled variant of their own.
 
-Every verb samples under `allowed` [slots, ceil(V / 32)] int32, each slot's allowed-token bitmask
-(`jinfer.structured`; all bits set for a slot without a constraint), applied only when some row is
-constrained (`lax.cond`); a constrained slot takes one step per dispatch, so its bitmask is that
-step's.
+A constrained request's allowed tokens (`jinfer.structured`) follow from its token before, which
+the host reads one dispatch late; so its decode row is deferred, and a small verb samples it once
+the host has its bitmask (dispatched while the decode before still runs, ahead of the next one):
+
+  sample(state, allowed, deferred, want_logprobs) -> state, out
+      Sample the deferred slots among 0..rows-1 (rows = len(deferred)) from their waiting logits
+      and advance them as a decode step would.
+
+Prefill and the mixed chunk sample their request's first token under `allowed` [slots,
+ceil(V / 32)] int32 too (each slot's allowed-token bitmask; all bits set for a slot without a
+constraint), applied only when some row is constrained (`lax.cond`).
 
 Only int32 tokens, per-slot flags and (when asked) log-probs leave the device; the engine reads
 them one iteration late so the host overlaps the device.
@@ -53,52 +61,17 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
-from jinfer.sampling import apply_penalties, mask_disallowed, sample, token_logprobs
+from jinfer.sampling import choose, nothing_chosen
 from jinfer.sharding import DATA, MODEL
 from jinfer.state import PackedChunk, PrefillChunk, SlotState, new_state
 from jinfer.state import state_shardings as slot_state_shardings
 from jinfer.structured import ALL_ALLOWED, mask_words
-
-TOP_LOGPROBS = 20  # alternatives computed when any request wants logprobs (OpenAI's maximum)
-
-
-@struct.dataclass
-class StepOutput:
-    """What leaves the device per step: [steps, rows] arrays (rows = slots, or 1 for prefill)."""
-
-    tokens: jax.Array  # int32
-    bad: jax.Array  # bool: the logits were not all finite; the token must not be used
-    logprobs: jax.Array  # float32 log p of the chosen token (zeros unless asked for)
-    top_ids: jax.Array  # [..., TOP_LOGPROBS] int32
-    top_logprobs: jax.Array  # [..., TOP_LOGPROBS] float32
-
-
-@jax.named_scope("sampling")
-def _choose(logits, prompt_mask, counts, bias, banned, allowed, sampling, positions, want_logprobs):
-    """Process raw logits [B, V] and pick one token per row among its allowed ones (allowed [B, W],
-    `jinfer.structured`'s bitmask); log-probs are of the raw distribution."""
-    processed = apply_penalties(logits, prompt_mask, counts, sampling) + bias
-    processed = jnp.where(banned, -jnp.inf, processed)
-    processed = mask_disallowed(processed, allowed)
-    token = sample(processed, sampling, positions)
-    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
-    rows = logits.shape[0]
-
-    def skip(logits, token):
-        top = jnp.zeros((rows, TOP_LOGPROBS))
-        return jnp.zeros((rows,)), top, top.astype(jnp.int32)
-
-    chosen, top_values, top_ids = jax.lax.cond(
-        want_logprobs, partial(token_logprobs, top_n=TOP_LOGPROBS), skip, logits, token
-    )
-    return token, StepOutput(token, bad, chosen, top_ids, top_values)
 
 
 def _chunk_group(chunk: PrefillChunk) -> llama.TokenGroup:
@@ -131,14 +104,14 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, allowe
     bias_row = jnp.zeros((vocab,), jnp.float32).at[chunk.bias_ids].set(chunk.bias_values, mode="drop")
     stop_row = jnp.zeros((vocab,), bool).at[chunk.stop_ids].set(True, mode="drop")
     counts_row = jnp.where(chunk.generated > 0, state.counts[slot], 0)
-    banned = (stop_row & (chunk.generated < chunk.min_tokens))[None]
     position = chunk.start + chunk.length  # where the sampled token goes
-    token, out = _choose(
+    token, out = choose(
         logits,
         state.prompt_mask[slot][None],
         counts_row[None],
         bias_row[None],
-        banned,
+        stop_row[None],
+        (chunk.generated < chunk.min_tokens)[None],
         allowed[slot][None],
         chunk.sampling,
         position[None],
@@ -188,30 +161,41 @@ def _history(state: SlotState, packed: jax.Array, *, vocab):
     )
 
 
+def _sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs):
+    """Sample the state's rows from their logits [rows, V] (allowed [rows, W] or None) and advance
+    the `sampled` [rows] ones: their token becomes the next decode input. With none sampled (a
+    decode of deferred rows only) the passes over the vocabulary are skipped (`lax.cond`)."""
+    rows = sampled.shape[0]
+
+    knobs = (state.bias, state.stop_mask, state.generated < state.min_tokens, allowed, state.sampling)
+    rows_of = lambda: choose(
+        logits, state.prompt_mask, state.counts, *knobs, state.positions + 1, want_logprobs
+    )
+    nothing = lambda: (jnp.zeros((rows,), jnp.int32), nothing_chosen(rows))
+    token, out = jax.lax.cond(jnp.any(sampled), rows_of, nothing)
+    advance = sampled.astype(jnp.int32)
+    state = state.replace(
+        tokens=jnp.where(sampled, token, state.tokens),
+        positions=state.positions + advance,
+        generated=state.generated + advance,
+        counts=state.counts.at[jnp.arange(rows), token].add(advance),
+    )
+    return state, out
+
+
 def _decode_step(
-    params,
-    cache,
-    state,
-    tables,
-    active,
-    allowed,
-    want_logprobs,
-    chunk,
-    *,
-    cfg,
-    vocab,
-    attn_len,
-    attention_kernel,
+    params, cache, state, tables, active, deferred, want_logprobs, chunk, *, cfg, vocab, **attention
 ):
-    """One decode step for the state's rows (slots 0..rows-1; active [rows] bool, allowed [rows, W]),
-    carrying a prompt chunk when there is one: every weight is read once for both.
+    """One decode step for the state's rows (slots 0..rows-1; active and deferred [rows] bool),
+    carrying a prompt chunk when there is one: every weight is read once for both. Deferred rows
+    keep their logits in the state (written only when some row is deferred) instead of sampling.
     Returns the cache, the rows' state, their output [rows] and the chunk's last logits [1, V]
-    (None without a chunk)."""
+    (None without a chunk). `attention`: attn_len and attention_kernel."""
     rows = active.shape[0]
     groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
     if chunk is not None:
         groups.append(_chunk_group(chunk))
-    hidden, cache = llama.forward_groups(params, groups, cfg, cache, tables, attn_len, attention_kernel)
+    hidden, cache = llama.forward_groups(params, groups, cfg, cache, tables, **attention)
     last = hidden[0][:, 0]  # [rows, D]
     if chunk is None:
         logits, chunk_logits = llama.logits(params, last)[:, :vocab], None
@@ -228,25 +212,12 @@ def _decode_step(
         # Chunks before a prompt's last skip that column (8 slots: an 8- instead of a 16-column
         # product, 7.9 against 12.5 ms of a 75 ms step on SmolLM2, XLA:CPU).
         logits, chunk_logits = jax.lax.cond(chunk.last, with_chunk, rows_only)
-    banned = state.stop_mask & (state.generated < state.min_tokens)[:, None]
-    token, out = _choose(
-        logits,
-        state.prompt_mask,
-        state.counts,
-        state.bias,
-        banned,
-        allowed,
-        state.sampling,
-        state.positions + 1,
-        want_logprobs,
+    kept = jax.lax.cond(
+        jnp.any(deferred),
+        lambda: jnp.where(deferred[:, None], logits, state.logits),
+        lambda: state.logits,
     )
-    advance = active.astype(jnp.int32)
-    state = state.replace(
-        tokens=jnp.where(active, token, state.tokens),
-        positions=state.positions + advance,
-        generated=state.generated + advance,
-        counts=state.counts.at[jnp.arange(rows), token].add(advance),
-    )
+    state, out = _sample_rows(state.replace(logits=kept), logits, None, active & ~deferred, want_logprobs)
     return cache, state, out, chunk_logits
 
 
@@ -259,14 +230,13 @@ def _put_rows(full: SlotState, part: SlotState) -> SlotState:
     return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
 
 
-def _decode(params, cache, state, tables, allowed, row_steps, want_logprobs, *, steps, **step_options):
+def _decode(params, cache, state, tables, row_steps, deferred, want_logprobs, *, steps, **step_options):
     """`steps` decode steps for slots 0..rows-1 (`lax.scan`), slot i in the first row_steps[i] of
-    them, each sampling under its allowed-token bitmask: the cache, the state and the output
+    them (a deferred slot in the first only, unsampled): the cache, the state and the output
     [steps, rows]."""
     rows = row_steps.shape[0]
 
     def scan_step(carry, step):
-        # A constrained row takes the first step only, so its bitmask may stand for every step.
         cache, rows_state = carry
         cache, rows_state, out, _ = _decode_step(
             params,
@@ -274,7 +244,7 @@ def _decode(params, cache, state, tables, allowed, row_steps, want_logprobs, *, 
             rows_state,
             tables,
             row_steps > step,
-            allowed[:rows],
+            deferred & (step == 0),
             want_logprobs,
             None,
             **step_options,
@@ -293,15 +263,16 @@ def _mixed(
     tables,
     allowed,
     row_steps,
+    deferred,
     want_logprobs,
     packed: PackedChunk,
     *,
     vocab,
     **step_options,
 ):
-    """One decode step for slots 0..rows-1 (those with row_steps > 0) that also prefills a prompt
-    chunk into another slot: the cache, the state, the decode output [1, rows] and the chunk's
-    output [1, 1]."""
+    """One decode step for slots 0..rows-1 (those with row_steps > 0; deferred ones unsampled) that
+    also prefills a prompt chunk into another slot, its token sampled under `allowed`: the cache,
+    the state, the decode output [1, rows] and the chunk's output [1, 1]."""
     chunk = packed.unpack()
     rows = row_steps.shape[0]
     cache, rows_state, out, chunk_logits = _decode_step(
@@ -310,7 +281,7 @@ def _mixed(
         _rows(state, rows),
         tables,
         row_steps > 0,
-        allowed[:rows],
+        deferred,
         want_logprobs,
         chunk,
         vocab=vocab,
@@ -321,6 +292,18 @@ def _mixed(
         state, chunk, chunk_logits, allowed, vocab
     )  # after the decode rows' update
     return cache, state, jax.tree.map(lambda x: x[None], out), chunk_out
+
+
+def _sample(state: SlotState, allowed, deferred, want_logprobs):
+    """Sample the deferred slots among 0..rows-1 under their allowed-token bitmasks: the state and
+    the output [1, rows]."""
+    rows = deferred.shape[0]
+    part = _rows(state, rows)
+    part, out = _sample_rows(part, part.logits, allowed[:rows], deferred, want_logprobs)
+    # Only the fields sampling changes are written back: on a CPU each is a pass of its own.
+    put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(state, name), getattr(part, name), 0, 0)
+    state = state.replace(**{name: put(name) for name in ("tokens", "positions", "generated", "counts")})
+    return state, jax.tree.map(lambda x: x[None], out)
 
 
 def _clear_pages(cache: KVCache, pages: jax.Array) -> KVCache:
@@ -339,6 +322,7 @@ class Steps:
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
+    sample: callable  # (state, allowed, deferred [rows], want_logprobs) -> state, out: deferred rows
     history: callable  # (state, [slot, prompt length, length, tokens...]) -> state
     clear_pages: callable  # (cache, pages [max_pages]) -> cache
     cache_sharding: NamedSharding
@@ -354,7 +338,7 @@ class Steps:
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
         decodes = dict.fromkeys((*self.decode.values(), *self.mixed.values()))
-        verbs = (self.prefill, *decodes, self.history, self.clear_pages)
+        verbs = (self.prefill, *decodes, self.sample, self.history, self.clear_pages)
         return sum(f._cache_size() for f in verbs)
 
     def new_cache(self, dtype) -> KVCache:
@@ -393,9 +377,19 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
         else:
             fn = partial(_decode, steps=dispatch_steps(layout.decode_steps, mixed=False), **options)
         chunk = (replicated,) if mixed else ()
+        allowed = (by_slot,) if mixed else ()  # the chunk's first token; decode rows are deferred
         return jax.jit(
             fn,
-            in_shardings=(param_shardings, *carried, replicated, by_slot, by_slot, replicated, *chunk),
+            in_shardings=(
+                param_shardings,
+                *carried,
+                replicated,
+                *allowed,
+                by_slot,
+                by_slot,
+                replicated,
+                *chunk,
+            ),
             out_shardings=(*carried, replicated, *chunk),
             donate_argnums=(1, 2),
         )
@@ -419,6 +413,12 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
         ),
         decode=by_bucket_pair(mixed=False),
         mixed=by_bucket_pair(mixed=True) if layout.mixed_prefill_tokens else {},
+        sample=jax.jit(
+            _sample,
+            in_shardings=(state_shardings, by_slot, by_slot, replicated),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=0,
+        ),
         history=jax.jit(
             partial(_history, vocab=vocab_size),
             in_shardings=(state_shardings, replicated),

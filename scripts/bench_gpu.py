@@ -169,21 +169,23 @@ def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> 
     # The chunk goes to the last slot, which the decode step does not advance.
     row_steps = (jnp.arange(slots) < slots - 1).astype(jnp.int32)
     chunk, tables = prompt_chunk(cfg, size, slot=slots - 1), tables_of(steps)
-    allowed = steps.unconstrained
+    no_deferral = jnp.zeros((slots,), bool)
     progress(f"mixed prefill at {slots} slots: a {size}-token chunk in a decode step")
 
     def decode(carried):
-        cache, state, out = steps.decode[slots, bucket](params, *carried, tables, allowed, row_steps, False)
+        cache, state, out = steps.decode[slots, bucket](
+            params, *carried, tables, row_steps, no_deferral, False
+        )
         return (cache, state), out
 
     def mixed(carried):
         cache, state, out, _ = steps.mixed[slots, bucket](
-            params, *carried, tables, allowed, row_steps, False, chunk
+            params, *carried, tables, steps.unconstrained, row_steps, no_deferral, False, chunk
         )
         return (cache, state), out
 
     def prefill(carried):
-        cache, state, out = steps.prefill(params, *carried, tables, allowed, chunk)
+        cache, state, out = steps.prefill(params, *carried, tables, steps.unconstrained, chunk)
         return (cache, state), out
 
     times = {

@@ -116,7 +116,7 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
     start = time.perf_counter()
     for _ in range(calls):
         cache, state, out = decode(
-            engine.params, cache, state, tables, engine.steps.unconstrained, row_steps, np.False_
+            engine.params, cache, state, tables, row_steps, np.zeros(slots, bool), np.False_
         )
     out.tokens.block_until_ready()
     engine.cache, engine.state = cache, state

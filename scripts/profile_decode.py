@@ -113,10 +113,10 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
     decode = engine.steps.decode[slots, bucket]
     layout = engine.layout
     row_steps = jnp.full((slots,), layout.decode_steps, jnp.int32)  # every slot, every step
-    allowed = engine.steps.unconstrained
+    no_deferral = jnp.zeros((slots,), bool)
     tables = engine.steps.put_tables(contiguous_tables(slots, layout.max_seq_len, layout.page_size))
     scopes = op_scopes(
-        decode.lower(engine.params, engine.cache, engine.state, tables, allowed, row_steps, False)
+        decode.lower(engine.params, engine.cache, engine.state, tables, row_steps, no_deferral, False)
         .compile()
         .as_text()
     )
@@ -125,7 +125,7 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
     def run(calls):
         nonlocal cache, state
         for _ in range(calls):
-            cache, state, out = decode(engine.params, cache, state, tables, allowed, row_steps, False)
+            cache, state, out = decode(engine.params, cache, state, tables, row_steps, no_deferral, False)
         out.tokens.block_until_ready()
 
     run(2)

@@ -80,6 +80,18 @@ def test_penalties_by_hand():
     np.testing.assert_allclose(out, [[1.0, -4.75, -0.75, 0.0]])
     neutral = _arrays()
     np.testing.assert_array_equal(np.asarray(apply_penalties(logits, prompt_mask, counts, neutral)), logits)
+    # A batch skips the penalties only when every row is neutral; a neutral row beside a penalised
+    # one keeps its logits bit for bit.
+    rows = SamplingArrays.from_params(
+        [SamplingParams(repetition_penalty=2.0).resolve(), SamplingParams().resolve()], [0, 0]
+    )
+    both = np.asarray(
+        apply_penalties(
+            jnp.tile(logits, (2, 1)), jnp.tile(prompt_mask, (2, 1)), jnp.tile(counts, (2, 1)), rows
+        )
+    )
+    np.testing.assert_array_equal(both[1], logits[0])
+    assert both[0, 0] == 1.0
 
 
 def test_token_logprobs():

@@ -175,8 +175,8 @@ def test_a_constrained_output_cut_by_max_tokens_ends_with_length(smollm2_llm):
 
 
 def test_greedy_outputs_are_the_same_alone_and_beside_constrained_neighbours(smollm2_llm):
-    """Constrained requests take one token per dispatch and make the engine read tokens before it
-    plans; neither may change what anyone gets, nor compile anything new."""
+    """Constrained requests take one token per dispatch, their decode rows deferred and sampled by
+    a dispatch of their own; none of it may change what anyone gets, nor compile anything new."""
     prompts = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Name a fruit.")]
     plain = SamplingParams(temperature=0, max_tokens=24)
     constrained = SamplingParams(temperature=0, json_schema=PERSON, max_tokens=60)
@@ -186,6 +186,42 @@ def test_greedy_outputs_are_the_same_alone_and_beside_constrained_neighbours(smo
     crowd = smollm2_llm.chat([prompts[0], ASK, prompts[1], ASK], [plain, constrained, plain, constrained])
     assert [c.text for c in crowd] == [alone_plain[0], alone_constrained, alone_plain[1], alone_constrained]
     assert smollm2_llm.engine.compile_count() == compiled
+
+
+def test_each_constrained_token_is_sampled_while_the_next_decode_is_already_queued(smollm2_llm, monkeypatch):
+    """The host reads a constrained token only after the decode that feeds it is dispatched: the
+    device never waits for the host's allowed set (only the last token, with nothing after it)."""
+    engine = smollm2_llm.engine
+    log = []
+
+    def recording(kind, real, out_index):
+        def call(*args):
+            result = real(*args)
+            log.append((kind, result[out_index]))  # kept alive: compared by identity
+            return result
+
+        return call
+
+    monkeypatch.setattr(engine.steps, "sample", recording("sample", engine.steps.sample, 1))
+    for key, real in list(engine.steps.decode.items()):
+        monkeypatch.setitem(engine.steps.decode, key, recording("decode", real, 2))
+    commit = engine._commit
+    monkeypatch.setattr(
+        engine, "_commit", lambda owners, out: (log.append(("read", out)), commit(owners, out))
+    )
+    samples_before = engine.dispatch_counts.sample_dispatches
+    tokens = 30
+    held = SamplingParams(temperature=0, regex="[a-z ]{400}", max_tokens=tokens, ignore_eos=True)
+    assert len(smollm2_llm.generate(["Letters:"], held)[0].token_ids) == tokens
+    samples = [i for i, (kind, _) in enumerate(log) if kind == "sample"]
+    assert len(samples) == engine.dispatch_counts.sample_dispatches - samples_before == tokens - 1
+    read_at = [
+        next(j for j in range(i, len(log)) if log[j][0] == "read" and log[j][1] is log[i][1]) for i in samples
+    ]
+    late = [
+        i for i, j in zip(samples, read_at, strict=True) if "decode" not in [kind for kind, _ in log[i:j]]
+    ]
+    assert late == samples[-1:], (late, samples)
 
 
 def test_batch_job_lines_may_carry_a_constraint(smollm2_llm, tmp_path):
