@@ -6,6 +6,8 @@ The suite's requirements go into a virtual environment of their own (results/.ll
 jinfer serves the embedded model (or --model) on --port, and pytest runs the chosen files with
 DEBUG_EXTERNAL=1. Many of its tests exercise llama.cpp-only endpoints (/completion, /slots,
 /props, ...) or texts of llama.cpp's own test models; this script reports, it does not judge.
+The OpenAI-shaped ones are ported in tests/test_llamacpp_suite.py, which says of every test of
+these files where jinfer checks its property or why it does not apply.
 
     python scripts/llamacpp_server_tests.py [--files unit/test_chat_completion.py,...] [--out results]
 
