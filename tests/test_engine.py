@@ -179,11 +179,14 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
     assert outputs["near_end"] == _greedy_reference(llm, near_end, 3)
 
 
-def test_cancel_frees_the_slot_within_one_step(llm):
+@pytest.mark.parametrize("constrained", [False, True], ids=["plain", "constrained"])
+def test_cancel_frees_the_slot_within_one_step(llm, constrained):
+    """A constrained request is cancelled while its decode row waits to be sampled (deferred)."""
     engine = llm.engine
     events = []
+    held = {"regex": "[a-z ]{400}"} if constrained else {}
     request = _submit(
-        engine, _prompt(1, 10), jinfer.SamplingParams(max_tokens=100, ignore_eos=True), events.append
+        engine, _prompt(1, 10), jinfer.SamplingParams(max_tokens=100, ignore_eos=True, **held), events.append
     )
     other = []
     _submit(
@@ -195,6 +198,7 @@ def test_cancel_frees_the_slot_within_one_step(llm):
     for _ in range(3):
         engine.step()
     assert request.slot is not None and engine.scheduler.slots[request.slot] is request
+    assert (engine._deferred is not None) == constrained
     engine.cancel(request.request_id)
     engine.step()
     assert request not in engine.scheduler.slots
