@@ -251,16 +251,15 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while (
-                    not self._stopping
-                    and not self.scheduler.has_work
-                    and not self._pending
-                    and self._deferred is None
-                ):
+                while not self._stopping and self._idle():
                     self._lock.wait()
                 if self._stopping:
                     return
             self.step()
+
+    def _idle(self) -> bool:
+        """Nothing to plan, nothing on the device left to read or sample (call under the lock)."""
+        return not self.scheduler.has_work and not self._pending and self._deferred is None
 
     def step(self) -> None:
         """One iteration: sample the rows the last decode deferred, plan, dispatch, then commit what
@@ -279,7 +278,7 @@ class Engine:
     def run_until_idle(self) -> None:
         while True:
             with self._lock:
-                idle = not self.scheduler.has_work and not self._pending and self._deferred is None
+                idle = self._idle()
             if idle:
                 return
             self.step()

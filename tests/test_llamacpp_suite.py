@@ -22,7 +22,7 @@ import pathlib
 import httpx
 import openai
 import pytest
-from test_server import AUTH, KEY, TINY_OPTIONS, running_server
+from test_server import AUTH, KEY, TINY_OPTIONS, _post, running_server
 
 ORIGIN = "http://web.example"
 BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
@@ -91,7 +91,7 @@ LLAMACPP = {
     "test_cancel_request": "test_server.py::test_disconnect_frees_the_slot_and_neighbours_do_not_notice",
     "test_completion_prompt_cache": NATIVE,
     # unit/test_basic.py
-    "test_server_start_simple": HERE,
+    "test_server_start_simple": "test_llamacpp_suite.py::test_access_public_endpoint",
     "test_server_multiple_addresses": "not ported: llama.cpp's several --host addresses",
     "test_server_props": "not ported: llama.cpp's /props endpoint",
     "test_server_models": HERE,
@@ -171,12 +171,8 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
 
 
-def post(server: str, path: str, body: dict, headers=AUTH) -> httpx.Response:
-    return httpx.post(server + path, json=body, headers=headers, timeout=120)
-
-
 def chat(server: str, **body) -> httpx.Response:
-    return post(server, "/v1/chat/completions", {"model": "tiny", "messages": BOOK, **body})
+    return _post(server, "/v1/chat/completions", json_body={"model": "tiny", "messages": BOOK, **body})
 
 
 # ------------------------------------------------------------------------ unit/test_chat_completion.py
@@ -184,11 +180,11 @@ def chat(server: str, **body) -> httpx.Response:
 def test_chat_completion(server, user):
     messages = [BOOK[0], {"role": "user", "content": user}]
     body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": messages}  # fixed: no early eos
-    reply = post(server, "/v1/chat/completions", body)
+    reply = _post(server, "/v1/chat/completions", json_body=body)
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["id"].startswith("chatcmpl-") and body["system_fingerprint"].startswith("fp_")
-    prompt = post(server, "/tokenize", {"model": "tiny", "messages": messages}).json()["tokens"]
+    prompt = _post(server, "/tokenize", json_body={"model": "tiny", "messages": messages}).json()["tokens"]
     assert body["usage"]["prompt_tokens"] == len(prompt)
     assert body["usage"]["completion_tokens"] == 8
     choice = body["choices"][0]
@@ -282,7 +278,7 @@ def test_completion_with_invalid_grammar(server):
     ],
 )  # llama.cpp also refuses two assistant messages in a row; jinfer, like OpenAI, takes them
 def test_invalid_chat_completion_req(server, messages):
-    reply = post(server, "/v1/chat/completions", {"model": "tiny", "messages": messages})
+    reply = _post(server, "/v1/chat/completions", json_body={"model": "tiny", "messages": messages})
     assert reply.status_code == 400 and "error" in reply.json(), reply.text
 
 
@@ -317,9 +313,11 @@ def test_logprobs_stream(client):
 
 def test_logit_bias(server, client):
     """A bias of +100 from the client makes one token the only one drawn; -100 on it forbids it."""
-    token = post(server, "/tokenize", {"model": "tiny", "prompt": "book", "add_special_tokens": False})
+    token = _post(
+        server, "/tokenize", json_body={"model": "tiny", "prompt": "book", "add_special_tokens": False}
+    )
     token = token.json()["tokens"][0]
-    word = post(server, "/detokenize", {"model": "tiny", "tokens": [token]}).json()["prompt"]
+    word = _post(server, "/detokenize", json_body={"model": "tiny", "tokens": [token]}).json()["prompt"]
     forced = client.chat.completions.create(
         model="tiny", messages=BOOK, max_tokens=6, temperature=0, logit_bias={str(token): 100}
     )
@@ -409,10 +407,6 @@ def test_different_result_different_seed(client):
 
 
 # ------------------------------------------------------------------------------ unit/test_basic.py
-def test_server_start_simple(server):
-    assert httpx.get(server + "/health").status_code == 200
-
-
 def test_server_models(server):
     for path in ("/v1/models", "/models"):
         models = httpx.get(server + path, headers=AUTH).json()["data"]
@@ -458,12 +452,12 @@ def test_access_public_endpoint(server):
 @pytest.mark.parametrize("key", [None, "invalid-key"])
 def test_incorrect_api_key(server, key):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    reply = post(server, "/completions", {"model": "tiny", "prompt": PROMPT}, headers=headers)
+    reply = _post(server, "/completions", json_body={"model": "tiny", "prompt": PROMPT}, headers=headers)
     assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_correct_api_key(server):
-    reply = post(server, "/completions", {"model": "tiny", "prompt": PROMPT})
+    reply = _post(server, "/completions", json_body={"model": "tiny", "prompt": PROMPT})
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] is not None
 
 
@@ -513,7 +507,7 @@ def test_completion_without_tool_call_fast(server, tools, tool_choice, stream):
     body = {"max_tokens": 16, "messages": [{"role": "user", "content": "say hello world with python"}]}
     body |= {"tools": tools} if tools else {}
     body |= {"tool_choice": tool_choice} if tool_choice else {}
-    reply = post(server, "/v1/chat/completions", {"model": "tiny", "stream": stream, **body})
+    reply = _post(server, "/v1/chat/completions", json_body={"model": "tiny", "stream": stream, **body})
     assert reply.status_code == 200, reply.text
     if not stream:
         message = reply.json()["choices"][0]["message"]
