@@ -190,6 +190,18 @@ class EngineConfig:
     memory_fraction: float = setting(
         0.9, "refuse a layout whose packed weights + KV cache exceed this share of free memory"
     )
+    coordinator: str | None = setting(
+        None,
+        "HOST:PORT where process 0 runs the coordination service, to serve one model from several "
+        "processes (jinfer.cluster; unset: JAX_COORDINATOR_ADDRESS, else one process)",
+    )
+    num_processes: int | None = setting(None, "processes serving the model together (with coordinator)")
+    process_id: int | None = setting(
+        None, "this process's rank: 0 leads (HTTP, scheduler), the others follow its device calls"
+    )
+    follower_timeout_s: float = setting(
+        10.0, "a follower silent this long is taken for dead: requests fail, the server answers 503"
+    )
 
     def __post_init__(self):
         positive = ("max_slots", "max_seq_len", "max_queue", "prefill_token_budget", "decode_steps")
@@ -230,5 +242,19 @@ class EngineConfig:
             raise ValueError(f"context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.coordinator is not None and (
+            not isinstance(self.coordinator, str) or not self.coordinator.rpartition(":")[2].isdigit()
+        ):
+            raise ValueError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        processes = self.num_processes
+        if processes is not None and (not isinstance(processes, int) or processes < 1):
+            raise ValueError(f"num_processes must be a positive integer, got {self.num_processes!r}")
+        if self.process_id is not None and (
+            not isinstance(self.process_id, int)
+            or not 0 <= self.process_id < (self.num_processes or self.process_id + 1)
+        ):
+            raise ValueError(f"process_id must be 0 to num_processes - 1, got {self.process_id!r}")
+        if not isinstance(self.follower_timeout_s, int | float) or self.follower_timeout_s < 1:
+            raise ValueError(f"follower_timeout_s must be at least 1, got {self.follower_timeout_s!r}")
         if self.max_slots % self.mesh_data:
             raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")

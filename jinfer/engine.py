@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinfer.cluster import current_cluster
 from jinfer.config import EngineConfig, dispatch_steps
+from jinfer.device import Device
 from jinfer.kv_cache import bytes_per_token
 from jinfer.layout import available_memory_bytes, param_bytes, resolve_layout, why_dequantized
 from jinfer.loading import LoadedModel
@@ -44,14 +46,18 @@ from jinfer.scoring import Scorer
 from jinfer.sharding import make_mesh, place_params
 from jinfer.state import pack_chunk, pack_history
 from jinfer.steps import build_steps
-from jinfer.structured import ALL_ALLOWED
+from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
 
 log = logging.getLogger("jinfer.engine")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-__all__ = ["DispatchCounts", "Engine", "QueueFullError", "RequestOutput"]
+__all__ = ["DispatchCounts", "Engine", "EngineUnavailable", "QueueFullError", "RequestOutput"]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine can no longer compute (a process of its cluster is gone); nothing is accepted."""
 
 
 class Engine:
@@ -87,12 +93,6 @@ class Engine:
         shardings = jax.tree.map(lambda a: a.sharding, self.params)
         self.cache_bytes = layout.num_pages * layout.page_size * per_token
         self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, loaded.config.vocab_size)
-        # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
-        self.scorer = Scorer(
-            llama.unpacked(self.params), padded_cfg, loaded.config.vocab_size, layout.max_seq_len
-        )
-        self.cache = self.steps.new_cache(self.dtype)
-        self.state = self.steps.new_state()
         self.preparer = RequestPreparer(
             self.tokenizer,
             vocab_size=loaded.config.vocab_size,
@@ -114,14 +114,22 @@ class Engine:
             layout.mixed_chunk_len if layout.mixed_prefill_tokens else None,
             layout.decode_steps,
         )
-        self._tables = self.steps.put_tables(self.kv.tables)  # the device's copy, as of _tables_version
+        tables = self.kv.tables.copy()  # the device's, as of _tables_version
+        self.device = Device(self.steps, self.params, self.dtype, tables, llama.unpacked(self.params))
         self._tables_version = self.kv.version
+        # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
+        self.scorer = Scorer(self.device.score, layout.max_seq_len)
         self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
         self._deferred: list[Request | None] | None = None  # per slot: decoded, waiting for `sample`
         self.dispatch_counts = DispatchCounts()  # written by the loop thread only
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failure: str | None = None  # why the engine can no longer serve (`fail_all`)
+        self.cluster = current_cluster()
+        if self.cluster is not None and self.cluster.leader:
+            self.device.publish = self.cluster.publish
+            self.cluster.lead(repr(layout), self.fail_all)
         log.info(
             "engine: %d slots, sequences up to %d positions, mesh data=%d model=%d; weights %s",
             layout.max_slots,
@@ -139,33 +147,44 @@ class Engine:
         start = time.perf_counter()
         vocab = self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
-        tables, allowed = self._tables, self.steps.unconstrained
-        deferred = np.zeros(self.layout.max_slots, bool)
+        device, deferred = self.device, np.zeros(self.layout.max_slots, bool)
         for size in self.layout.prefill_buckets:
             chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
-            self.cache, self.state, out = self.steps.prefill(
-                self.params, self.cache, self.state, tables, allowed, chunk
-            )
-        for (rows, _), decode in self.steps.decode.items():
+            out = device.prefill(None, chunk)
+        for rows, attn_len in self.steps.decode:
             idle = np.zeros(rows, np.int32)
-            self.cache, self.state, out = decode(
-                self.params, self.cache, self.state, tables, idle, deferred[:rows], np.False_
-            )
-            self.state, out = self.steps.sample(self.state, allowed, deferred[:rows], np.False_)
-        for (rows, _), mixed in self.steps.mixed.items():
+            out = device.decode(rows, attn_len, idle, deferred[:rows], np.False_)
+            out = device.sample(None, deferred[:rows], np.False_)
+        for rows, attn_len in self.steps.mixed:
             idle = np.zeros(rows, np.int32)
             size = self.layout.mixed_chunk_len(rows)
             chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
-            self.cache, self.state, out, _ = mixed(
-                self.params, self.cache, self.state, tables, allowed, idle, deferred[:rows], np.False_, chunk
-            )
-        self.state = self.steps.history(self.state, pack_history(0, [], 0, self.layout.max_seq_len))
-        self.cache = self.steps.clear_pages(self.cache, self._page_list([]))
-        jax.block_until_ready((out, self.cache, self.state))
+            out, _ = device.mixed(rows, attn_len, None, idle, deferred[:rows], np.False_, chunk)
+        device.history(pack_history(0, [], 0, self.layout.max_seq_len))
+        device.clear_pages(self._page_list([]))
+        jax.block_until_ready((out, device.cache, device.state))
         return time.perf_counter() - start
 
     def compile_count(self) -> int:
         return self.steps.compile_count()
+
+    def follow(self) -> int:
+        """A follower's life (`jinfer.cluster`): make the leader's device calls until it stops; the
+        exit status."""
+        return self.cluster.follow(repr(self.layout), self.device.replay, self.compile_count)
+
+    def fail_all(self, reason: str) -> None:
+        """The engine can no longer compute (a process of its cluster is gone): every request ends
+        with an error, and new ones are refused (`EngineUnavailable`)."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            log.error("engine unavailable: %s", reason)
+            self.failure = reason
+            doomed = self.scheduler.active_requests() + list(self.scheduler.waiting)
+            events = self.scheduler.fail(doomed, f"engine unavailable: {reason}")
+            self._lock.notify_all()
+        deliver(events)
 
     def stats(self) -> dict[str, float]:
         """Load figures for monitoring: requests running / waiting, slots and KV pages in use, the
@@ -215,8 +234,10 @@ class Engine:
     def enqueue(self, request: Request, block: bool = False) -> None:
         """Hand a request to the scheduler; QueueFullError when the queue is full (unless block)."""
         with self._lock:
-            while block and not self.scheduler.queue_has_room and not self._stopping:
+            while block and not self.scheduler.queue_has_room and not self._stopping and not self.failure:
                 self._lock.wait()
+            if self.failure is not None:
+                raise EngineUnavailable(f"the engine is unavailable: {self.failure}")
             self.scheduler.submit(request)
             self._lock.notify_all()
 
@@ -259,6 +280,8 @@ class Engine:
 
     def _idle(self) -> bool:
         """Nothing to plan, nothing on the device left to read or sample (call under the lock)."""
+        if self.failure is not None:  # what is on the device will not be read
+            self._pending, self._deferred = [], None
         return not self.scheduler.has_work and not self._pending and self._deferred is None
 
     def step(self) -> None:
@@ -288,17 +311,15 @@ class Engine:
         counts = self.dispatch_counts
         if self._tables_version != self.kv.version:
             # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
-            self._tables, self._tables_version = self.steps.put_tables(self.kv.tables.copy()), self.kv.version
+            self.device.set_tables(self.kv.tables.copy())
+            self._tables_version = self.kv.version
         sampled = [w.request for w in (*plan.prefills, plan.fused) if w is not None and w.last]
-        allowed = self._allowed(sampled)
+        allowed = allowed_bitmask(sampled, self.layout.max_slots, self.steps.vocab_size)
         for work in plan.prefills:
             size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
             try:
                 self._set_history(work)
-                chunk = work.packed(size, self.steps.vocab_size)
-                self.cache, self.state, out = self.steps.prefill(
-                    self.params, self.cache, self.state, self._tables, allowed, chunk
-                )
+                out = self.device.prefill(allowed, work.packed(size, self.steps.vocab_size))
             except Exception as e:  # a device failure must not kill the engine
                 self._recover([work.request], e)
                 continue
@@ -331,15 +352,12 @@ class Engine:
         try:
             if fused is not None:
                 self._set_history(fused)
-            args = (self.params, self.cache, self.state, self._tables)
             rows_args = (row_steps, deferred, want_logprobs)
             if fused is None:
-                self.cache, self.state, out = self.steps.decode[rows, attn_len](*args, *rows_args)
+                out = self.device.decode(rows, attn_len, *rows_args)
             else:
                 chunk = fused.packed(self.layout.mixed_chunk_len(rows), self.steps.vocab_size)
-                self.cache, self.state, out, chunk_out = self.steps.mixed[rows, attn_len](
-                    *args, allowed, *rows_args, chunk
-                )
+                out, chunk_out = self.device.mixed(rows, attn_len, allowed, *rows_args, chunk)
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)
             return dispatched
@@ -373,25 +391,13 @@ class Engine:
         deferred = np.array([r is not None for r in owners])
         want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in owners if r is not None))
         try:
-            allowed = self._allowed([r for r in owners if r is not None])
-            self.state, out = self.steps.sample(self.state, allowed, deferred, want_logprobs)
+            allowed = allowed_bitmask(owners, self.layout.max_slots, self.steps.vocab_size)
+            out = self.device.sample(allowed, deferred, want_logprobs)
         except Exception as e:
             self._recover([r for r in owners if r is not None], e)
             return
         self.dispatch_counts.sample_dispatches += 1
         self._pending.append((owners, out))
-
-    def _allowed(self, sampled: list[Request]):
-        """The allowed-token bitmask for a dispatch that samples these requests' next tokens: each
-        constrained one's allowed set in its slot's row (the device's every-bit-set array when none
-        is constrained)."""
-        constrained = [r for r in sampled if r.constraint is not None]
-        if not constrained:
-            return self.steps.unconstrained
-        allowed = np.full(self.steps.unconstrained.shape, ALL_ALLOWED, np.int32)  # fresh: see put_allowed
-        for request in constrained:
-            request.constraint.fill(allowed[request.slot])
-        return self.steps.put_allowed(allowed)
 
     def _set_history(self, work: PrefillWork) -> None:
         """Before a penalised request's first chunk: its slot's prompt mask and output counts, from
@@ -403,7 +409,7 @@ class Engine:
             packed = pack_history(
                 work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len
             )
-            self.state = self.steps.history(self.state, packed)
+            self.device.history(packed)
 
     def _page_list(self, pages: list[int]) -> np.ndarray:
         """Pages for `clear_pages`, padded with the pool size (dropped)."""
@@ -430,20 +436,20 @@ class Engine:
             self._lock.notify_all()
         poisoned = committed.poisoned_pages  # zeroed before the next plan can give them to someone
         for start in range(0, len(poisoned), self.layout.max_pages):
-            self.cache = self.steps.clear_pages(
-                self.cache, self._page_list(poisoned[start : start + self.layout.max_pages])
-            )
+            self.device.clear_pages(self._page_list(poisoned[start : start + self.layout.max_pages]))
         deliver(committed.events)
 
     def _recover(self, touched: list[Request], error: Exception) -> None:
         """Fail the touched requests; rebuild the cache if the failed call consumed it."""
         log.exception("device step failed: %s", error)
         message = f"engine error: {type(error).__name__}: {error}"
+        if self.cluster is not None:  # another process's part of the computation failed
+            self.fail_all(message)
+            return
         with self._lock:
-            if any(a.is_deleted() for a in (*self.cache.k, *self.cache.v)) or self.state.tokens.is_deleted():
+            if self.device.consumed():
                 touched = touched + self.scheduler.active_requests()  # their pages are gone
-                self.cache = self.steps.new_cache(self.dtype)
-                self.state = self.steps.new_state()
+                self.device.reset()
             events = self.scheduler.fail(touched, message)
             self._lock.notify_all()
         deliver(events)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from jinfer.cluster import join_cluster
 from jinfer.config import EngineConfig
 from jinfer.engine import Engine
 from jinfer.loading import default_model_path, load_model
@@ -73,8 +74,14 @@ class LLM:
     """Load a model, build an engine, and run offline generation, chat and scoring."""
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_options):
-        """`engine_options` are EngineConfig fields (max_slots, max_seq_len, dtype, mesh_data, ...)."""
+        """`engine_options` are EngineConfig fields (max_slots, max_seq_len, dtype, mesh_data, ...).
+
+        With `coordinator`, `num_processes` and `process_id` (or JAX's environment variables) every
+        process of a cluster runs the same script (`jinfer.cluster`): on process 0 this returns and
+        generates as usual; on the others it does not return: it makes process 0's device calls
+        until that one ends, then exits the process."""
         config = EngineConfig(**engine_options)
+        member = join_cluster(config)  # before anything touches a device
         path = model if model is not None else default_model_path()
         loaded = load_model(path, quantization=config.quantization)
         if loaded.tokenizer is None:
@@ -83,6 +90,8 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.engine = Engine(loaded, config)
+        if member is not None and not member.leader:
+            raise SystemExit(self.engine.follow())
         self.preparer = self.engine.preparer
         self.max_seq_len = self.preparer.max_seq_len
 

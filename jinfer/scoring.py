@@ -9,15 +9,13 @@ text) read them.
 
 from __future__ import annotations
 
-import threading
-from functools import partial
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.config import ModelConfig
 from jinfer.models import llama
 from jinfer.sampling import TOP_LOGPROBS
 
@@ -32,7 +30,7 @@ class SequenceLogprobs(NamedTuple):
     top_logprobs: np.ndarray  # [T - 1, TOP_LOGPROBS] float32
 
 
-def _score(params, tokens, *, cfg, vocab):
+def score_program(params, tokens, *, cfg, vocab):
     """log p(tokens[:, i+1] | tokens[:, :i+1]) for every i, and the top alternatives there."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     hidden, _ = llama.forward(params, tokens, positions, cfg)
@@ -43,13 +41,11 @@ def _score(params, tokens, *, cfg, vocab):
 
 
 class Scorer:
-    """Scores sequences with one model's weights (thread-safe: a server scores off its loop)."""
+    """Scores sequences through `run` (`Device.score`: the program above, on the engine's weights)."""
 
-    def __init__(self, params, cfg: ModelConfig, vocab_size: int, max_seq_len: int):
-        self.params = params
+    def __init__(self, run: Callable[[np.ndarray], tuple], max_seq_len: int):
+        self._run = run
         self.max_seq_len = max_seq_len
-        self._score = jax.jit(partial(_score, cfg=cfg, vocab=vocab_size))
-        self._lock = threading.Lock()  # one compile per bucket, even when two threads ask at once
 
     def __call__(self, ids: list[int]) -> SequenceLogprobs:
         if not 1 <= len(ids) <= self.max_seq_len:
@@ -59,7 +55,6 @@ class Scorer:
             size *= 2
         tokens = np.zeros((1, size), np.int32)
         tokens[0, : len(ids)] = ids
-        with self._lock:
-            out = self._score(self.params, jnp.asarray(tokens))
+        out = self._run(tokens)
         chosen, top_ids, top_logprobs = (np.asarray(a[0, : len(ids) - 1]) for a in out)
         return SequenceLogprobs(chosen.astype(np.float32), top_ids, top_logprobs.astype(np.float32))

@@ -45,6 +45,19 @@ def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def allowed_bitmask(requests, slots: int, vocab_size: int) -> np.ndarray | None:
+    """The allowed-token bitmask [slots, W] of a dispatch that samples these requests' (or None's)
+    next tokens: each constrained one's allowed set in its slot's row, every bit set in the others;
+    None when none is constrained. A fresh array each time (see `Steps.put_allowed`)."""
+    constrained = [r for r in requests if r is not None and r.constraint is not None]
+    if not constrained:
+        return None
+    allowed = np.full((slots, mask_words(vocab_size)), ALL_ALLOWED, np.int32)
+    for request in constrained:
+        request.constraint.fill(allowed[request.slot])
+    return allowed
+
+
 def _parser_limits():
     """llguidance's work limits, which bound how long compiling (and each mask) can take: its
     defaults, stated here so that they are a decision of ours."""

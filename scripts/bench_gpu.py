@@ -145,11 +145,12 @@ def time_decode(decode, steps, params, dtype, slots: int, args) -> float:
     """Seconds per decode step: `args.calls` back-to-back calls after one that compiles."""
     row_steps, tables = jnp.full((slots,), steps.layout.decode_steps, jnp.int32), tables_of(steps)
     cache, state = busy_state(steps, dtype, args.context)
-    cache, state, out = decode(params, cache, state, tables, steps.unconstrained, row_steps, False)
+    no_deferral = jnp.zeros((slots,), bool)
+    cache, state, out = decode(params, cache, state, tables, row_steps, no_deferral, False)
     out.tokens.block_until_ready()
     start = time.perf_counter()
     for _ in range(args.calls):
-        cache, state, out = decode(params, cache, state, tables, steps.unconstrained, row_steps, False)
+        cache, state, out = decode(params, cache, state, tables, row_steps, no_deferral, False)
     out.tokens.block_until_ready()
     return (time.perf_counter() - start) / (args.calls * steps.layout.decode_steps)
 

@@ -110,7 +110,7 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
         raise ValueError("time_decode_calls needs a pool of max_slots x max_seq_len positions")
     tables = engine.steps.put_tables(tables)
     row_steps = np.full(slots, layout.decode_steps, np.int32)  # every slot, every step
-    cache, state = engine.cache, engine.state
+    cache, state = engine.device.cache, engine.device.state
     if position is not None:
         state = state.replace(positions=jnp.full_like(state.positions, position))
     start = time.perf_counter()
@@ -119,7 +119,7 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
             engine.params, cache, state, tables, row_steps, np.zeros(slots, bool), np.False_
         )
     out.tokens.block_until_ready()
-    engine.cache, engine.state = cache, state
+    engine.device.cache, engine.device.state = cache, state
     return (time.perf_counter() - start) / (calls * engine.layout.decode_steps)
 
 

@@ -115,12 +115,10 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
     row_steps = jnp.full((slots,), layout.decode_steps, jnp.int32)  # every slot, every step
     no_deferral = jnp.zeros((slots,), bool)
     tables = engine.steps.put_tables(contiguous_tables(slots, layout.max_seq_len, layout.page_size))
+    cache, state = engine.device.cache, engine.device.state
     scopes = op_scopes(
-        decode.lower(engine.params, engine.cache, engine.state, tables, row_steps, no_deferral, False)
-        .compile()
-        .as_text()
+        decode.lower(engine.params, cache, state, tables, row_steps, no_deferral, False).compile().as_text()
     )
-    cache, state = engine.cache, engine.state
 
     def run(calls):
         nonlocal cache, state
@@ -138,7 +136,7 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
         (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
             events = json.load(f)["traceEvents"]
-    engine.cache, engine.state = cache, state
+    engine.device.cache, engine.device.state = cache, state
     per_step = CALLS * engine.layout.decode_steps
     by_scope, by_op = collections.Counter(), collections.Counter()
     for event in events:

@@ -27,9 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from jinfer.engine import Engine
+from jinfer.engine import Engine, EngineUnavailable
 from jinfer.metrics import ServingMetrics
-from jinfer.prepare import ContextLengthError, PreparedRequest, RequestError, check_messages, check_text
+from jinfer.prepare import ContextLengthError, PreparedRequest, RequestError
 from jinfer.sampling import SEED_LIMIT
 from jinfer.scheduler import QueueFullError
 from jinfer.structured import has_constraint
@@ -47,6 +47,7 @@ from .protocol import (
 from .responses import ResponseWriter
 from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
+from .tokens import detokenize, tokenize
 
 log = logging.getLogger("jinfer.serve")
 
@@ -154,6 +155,9 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
             await self.bridge.wait_idle(10.0)
 
     def _check_serving(self) -> None:
+        if self.engine.failure is not None:
+            self.metrics.rejected.inc()
+            raise APIError(503, f"the engine is unavailable: {self.engine.failure}", code="unavailable")
         if self.draining:
             self.metrics.rejected.inc()
             raise APIError(503, "the server is shutting down", code="draining")
@@ -220,10 +224,12 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
             for index in range(req.choices):
                 choice = prepared[index // req.n].with_seed((seed + index) % SEED_LIMIT)
                 opened.append(self.bridge.open(choice, queue, index))
-        except QueueFullError as e:
+        except (QueueFullError, EngineUnavailable) as e:
             for request_id in opened:
                 self.bridge.cancel(request_id)
             self.metrics.rejected.inc()
+            if isinstance(e, EngineUnavailable):
+                raise APIError(503, str(e), code="unavailable") from None
             raise APIError(
                 429, str(e), code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)}
             ) from None
@@ -235,9 +241,16 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
 
     # ------------------------------------------------------------------------ handlers
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        """200 while the engine can compute (on several processes: with each one's compile count)."""
+        member, compiles = self.engine.cluster, self.engine.compile_count()
+        body = {"status": "ok"} | ({"processes": member.status(compiles)} if member else {})
+        if self.engine.failure is not None:
+            return JSONResponse(body | {"status": "unavailable", "error": self.engine.failure}, 503)
+        return JSONResponse(body)
 
     async def ready_check(self, request: Request) -> Response:
+        if self.engine.failure is not None:
+            return JSONResponse({"status": "unavailable", "error": self.engine.failure}, status_code=503)
         if self.draining or not self.ready:
             return JSONResponse({"status": "draining" if self.draining else "warming_up"}, status_code=503)
         return JSONResponse({"status": "ready"})
@@ -264,34 +277,12 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)
         self._check_model(body.get("model"))
-        try:
-            if "messages" in body:
-                add_prompt = body.get("add_generation_prompt", True)
-                if not isinstance(add_prompt, bool):
-                    raise RequestError("add_generation_prompt must be true or false", "add_generation_prompt")
-                ids = self.preparer.chat_ids(check_messages(body["messages"]), add_prompt)
-            elif isinstance(body.get("prompt"), str):
-                add_special = body.get("add_special_tokens", True)
-                if not isinstance(add_special, bool):
-                    raise RequestError("add_special_tokens must be true or false", "add_special_tokens")
-                ids = self.tokenizer.encode(
-                    check_text(body["prompt"], "prompt"), add_special_tokens=add_special
-                )
-            else:
-                raise RequestError("give 'prompt' (a string) or 'messages'", "prompt")
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.preparer.max_seq_len})
+        return JSONResponse(tokenize(self.preparer, body))
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._body(request)
         self._check_model(body.get("model"))
-        tokens = body.get("tokens")
-        vocab = self.engine.model_config.vocab_size
-        valid = lambda t: isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-        if not isinstance(tokens, list) or not all(valid(t) for t in tokens):
-            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)})
+        return JSONResponse(detokenize(self.tokenizer, self.engine.model_config.vocab_size, body))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")

@@ -10,7 +10,9 @@ Start-up: the port is bound first (a taken port fails at once, before any loadin
 is loaded the server answers at once, `/ready` and generation requests with 503 until the warm-up
 has compiled every step, then serving. SIGTERM (or Ctrl-C): /ready and new requests answer 503,
 running requests get up to --drain-timeout seconds to finish, the rest end with finish_reason
-"abort", then the process exits. A second signal exits at once.
+"abort", then the process exits. A second signal exits at once. On several processes (--coordinator,
+--num-processes, --process-id: `jinfer.cluster`) process 0 serves; the others bind no port, follow
+its device calls and exit when it does.
 """
 
 from __future__ import annotations
@@ -158,8 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from jinfer.cluster import join_cluster
+
     try:
-        sock = bind(server.host, server.port)
+        member = join_cluster(engine_config)  # before anything touches a device
+    except (ValueError, RuntimeError) as e:
+        print(f"jinfer serve: error: cannot join the cluster: {e}", file=sys.stderr)
+        return 2
+    follower = member is not None and not member.leader
+    try:
+        sock = None if follower else bind(server.host, server.port)  # a follower serves no HTTP
     except OSError as e:
         print(
             f"jinfer serve: error: cannot listen on {server.host}:{server.port}: {e.strerror or e}",
@@ -182,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"jinfer serve: error: {e}", file=sys.stderr)
         return 2
+    if follower:
+        log.info("process %d follows process 0's device calls", member.rank)
+        return engine.follow()
     name = served_name(server, model_path)
     log.info(
         "model %s (%s, %d layers) loaded in %.1f s as '%s' (resident memory peak so far: %.0f MiB, "

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from jinfer.tools import ToolStream, tool_call_deltas
 
-from .protocol import GenerationRequest, format_logprobs, new_id, now, timings, usage
+from .protocol import APIError, GenerationRequest, format_logprobs, new_id, now, timings, usage
 
 # SSE splits lines only at CR and LF, but clients that split with str.splitlines (httpx's
 # iter_lines among them) also break at these, which JSON leaves raw inside strings: a token
@@ -74,6 +74,9 @@ class ResponseWriter:
     async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
         """The whole response body of a completions or chat request."""
         choices = await self._collect(request, req, queue, request_ids)
+        failed = [c["final"] for c in choices if c["final"].finish_reason == "error"]
+        if failed and self.engine.failure is not None:  # not this request's fault: it may be retried
+            raise APIError(503, failed[0].error, code="unavailable")
         echoed = req.echo and req.top_logprobs is not None
         scored = await self._prompt_entries(req, prompt_ids) if echoed else None
         body_choices, completion_tokens = [], 0
@@ -238,6 +241,8 @@ class ResponseWriter:
                                 reason = "tool_calls"
                         if "".join(buffer["text"]) or buffer["entries"]:
                             yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
+                        if reason == "error":  # what went wrong, as an event (OpenAI clients raise it)
+                            yield sse_data(APIError(500, event.error, code="engine_error").body())
                         yield chunk(index, None, reason)  # the finish: an empty delta, as OpenAI sends it
                         buffers[index] = {"text": [], "entries": []}
                 for index, buffer in enumerate(buffers):

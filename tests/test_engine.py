@@ -274,7 +274,7 @@ def test_nan_logits_end_only_that_request(tiny_model):
     healthy = [_prompt(s, 12) for s in range(3)]
     poison = 13
     engine = llm.engine
-    engine.params = engine.params.replace(embed=engine.params.embed.at[poison].set(np.nan))
+    engine.device.params = engine.params.replace(embed=engine.params.embed.at[poison].set(np.nan))
     clean = [[t for t in p if t != poison] for p in healthy]
     alone = [o.token_ids for o in llm.generate(clean, GREEDY)]
     poisoned = [1, poison, *clean[0] * 3]  # NaN K/V reach past where a short prompt would overwrite them

@@ -1,0 +1,237 @@
+"""One model served by several processes (jinfer.cluster): real processes on loopback, two CPU
+devices each, against one process (this one) on four devices; and what a dead process does."""
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from test_server import _free_port
+
+import jinfer
+from jinfer.cluster import decode, encode
+from jinfer.config import EngineConfig
+from jinfer.sampling import SamplingArrays, SamplingParams
+from jinfer.state import pack_chunk
+
+# The server's serving defaults, spelled out so that the in-process reference runs the same engine.
+# Few programs to compile (one prefill bucket, two attention buckets, no mixed steps): a cluster's
+# processes compile each one at the same time, on two cores.
+ENGINE = {
+    "max_slots": 2,
+    "max_seq_len": 128,
+    "page_size": 16,
+    "prefill_buckets": (16,),
+    "decode_steps": 1,
+    "prefill_token_budget": 64,
+    "mixed_prefill_tokens": 0,
+}
+PROMPTS = ["Once upon a time", "The capital of France is"]
+GREEDY = {"max_tokens": 12, "temperature": 0.0}
+SEEDED = {"max_tokens": 12, "temperature": 1.0, "seed": 7}
+
+
+def _flags(options: dict) -> list[str]:
+    flags = []
+    for name, value in options.items():
+        value = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        flags += ["--" + name.replace("_", "-"), value]
+    return flags
+
+
+def _start(
+    command: list[str], rank: int, coordinator: str, mesh: tuple[int, int], log_dir
+) -> subprocess.Popen:
+    flags = _flags(ENGINE | {"mesh_data": mesh[0], "mesh_model": mesh[1]})
+    flags += ["--coordinator", coordinator, "--num-processes", "2", "--process-id", str(rank)]
+    log = open(log_dir / f"process-{rank}.log", "w")  # noqa: SIM115 - the process owns it
+    env = os.environ | {"JAX_NUM_CPU_DEVICES": "2"}
+    cmd = [sys.executable, "-m", "jinfer.cli", *command, *flags]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _logs(log_dir) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log")))
+
+
+@contextlib.contextmanager
+def serving(model: str, mesh: tuple[int, int], log_dir, timeout: float = 300):
+    """Two `jinfer serve` processes, one cluster; yields (base URL, [leader, follower])."""
+    port, coordinator = _free_port(), f"127.0.0.1:{_free_port()}"
+    command = ["serve", "--model", model, "--port", str(port), "--served-model-name", "tiny"]
+    procs = [_start(command, rank, coordinator, mesh, log_dir) for rank in (0, 1)]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert all(p.poll() is None for p in procs), "a process exited:\n" + _logs(log_dir)
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the cluster did not become ready:\n" + _logs(log_dir)
+            time.sleep(0.3)
+        yield base, procs
+    finally:
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _settled_processes(base: str, timeout: float = 15) -> list[dict]:
+    """/health's processes once every follower's heartbeat has counted all the leader's calls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        processes = httpx.get(base + "/health").json()["processes"]
+        if all(p["calls"] == processes[0]["calls"] for p in processes):
+            return processes
+        assert time.monotonic() < deadline, processes
+        time.sleep(0.2)
+
+
+def _reference(model: str, mesh: tuple[int, int]) -> dict[str, list[str]]:
+    llm = jinfer.LLM(model, mesh_data=mesh[0], mesh_model=mesh[1], **ENGINE)
+    assert len(llm.engine.mesh.devices.flat) == 4
+    return {
+        name: [c.text for c in llm.generate(PROMPTS, SamplingParams(**knobs))]
+        for name, knobs in (("greedy", GREEDY), ("seeded", SEEDED))
+    }
+
+
+# ------------------------------------------------------------------------------- messages
+def test_a_call_survives_its_message_bit_for_bit():
+    knobs = SamplingArrays.from_params([SamplingParams(temperature=0.7, top_k=5).resolve()], [2**32 - 3])
+    chunk = pack_chunk(np.arange(16, dtype=np.int32), 1, 32, 9, True, 2, 3, {5: -1.5}, (7,), knobs, 100, True)
+    allowed = np.full((2, 4), -1, np.int32)
+    allowed[1, 2] = 12345
+    args = (np.int64(2), 64, allowed, np.array([1, 0], np.int32), np.array([False, True]), np.True_, chunk)
+    verb, back = decode(encode("mixed", args))
+    assert verb == "mixed" and {back[0]: "a key"}[2] == "a key" and back[1] == 64
+    np.testing.assert_array_equal(back[2], allowed)
+    for sent, got in zip(args[3:6], back[3:6], strict=True):
+        assert np.asarray(got).dtype == np.asarray(sent).dtype
+        np.testing.assert_array_equal(got, sent)
+    np.testing.assert_array_equal(back[6].ints, chunk.ints)
+    np.testing.assert_array_equal(back[6].floats, chunk.floats)
+    assert decode(encode("prefill", (None, chunk)))[1][0] is None
+    assert decode(encode("reset", ())) == ("reset", ())
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"coordinator": "nohost"}, "HOST:PORT"),
+        ({"num_processes": 0}, "num_processes"),
+        ({"num_processes": 2, "process_id": 2}, "process_id"),
+        ({"follower_timeout_s": 0.1}, "follower_timeout_s"),
+    ],
+)
+def test_cluster_settings_are_checked(options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        EngineConfig(**options)
+
+
+# ------------------------------------------------------------------------ real processes
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("smollm2_like")[0]  # 6 query / 2 kv heads: padded to divide the model axis
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """mesh -> {"greedy" | "seeded": the prompts' completions by one process on four devices}."""
+    return functools.cache(lambda mesh: _reference(model, mesh))
+
+
+@pytest.fixture(scope="module", params=[(1, 4), (2, 2)], ids=["model4", "data2xmodel2"])
+def cluster(request, model, tmp_path_factory):
+    """A leader and a follower serving the model over a mesh of their four devices; the tests of a
+    mesh end with one that kills a process."""
+    log_dir = tmp_path_factory.mktemp("cluster")
+    with serving(model, request.param, log_dir) as (base, procs):
+        yield request.param, base, procs, log_dir
+
+
+def test_two_processes_serve_what_one_process_on_four_devices_serves(cluster, reference):
+    mesh, base, _, _ = cluster
+    expected = reference(mesh)
+    warm = _settled_processes(base)
+    assert [p["process"] for p in warm] == [0, 1] and all(p["compiled_programs"] > 0 for p in warm)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    complete = lambda prompt, **knobs: client.completions.create(model="tiny", prompt=prompt, **knobs)
+    for name, knobs in (("greedy", GREEDY), ("seeded", SEEDED)):
+        assert [complete(p, **knobs).choices[0].text for p in PROMPTS] == expected[name], name
+        streams = [complete(p, stream=True, **knobs) for p in PROMPTS]  # both run at once, in two slots
+        streamed = ["".join(chunk.choices[0].text for chunk in stream) for stream in streams]
+        assert streamed == expected[name], name
+    after = _settled_processes(base)
+    compiles = lambda processes: [p["compiled_programs"] for p in processes]
+    assert compiles(after) == compiles(warm), "a process compiled after its warm-up"
+
+
+def test_a_dead_process_is_noticed(cluster, model, tmp_path):
+    """Over model 4: a dead leader ends its follower. Over data 2 x model 2: a follower killed
+    mid-stream ends the stream with an error event, the leader answers 503, and starting both
+    processes again serves again."""
+    mesh, base, (leader, follower), log_dir = cluster
+    if mesh == (1, 4):
+        leader.kill()
+        killed = time.monotonic()
+        assert follower.wait(timeout=30) != 0 and time.monotonic() - killed < 15, _logs(log_dir)
+        return
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=100, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    next(iter(stream))
+    follower.kill()
+    killed = time.monotonic()
+    with pytest.raises(openai.APIError, match="engine unavailable") as ended:
+        for _ in stream:
+            pass
+    assert time.monotonic() - killed < 15
+    assert follower.wait(timeout=5) == -signal.SIGKILL
+    ready, health = httpx.get(base + "/ready"), httpx.get(base + "/health")
+    assert ready.status_code == 503 and health.status_code == 503
+    assert health.json()["error"] in str(ended.value)  # the same reason: a collective with process 1 failed
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4)
+    assert refused.value.status_code == 503
+    leader.send_signal(signal.SIGTERM)
+    assert leader.wait(timeout=30) == 0, _logs(log_dir)
+    with serving(model, mesh, tmp_path) as (base, _):  # every process started again
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        answer = client.completions.create(model="tiny", prompt=PROMPTS[1], **GREEDY)
+        assert answer.choices[0].finish_reason == "length"
+
+
+def test_a_batch_job_on_two_processes_writes_what_one_process_would(model, reference, tmp_path):
+    mesh = (1, 4)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "out.jsonl"
+    command = ["generate", "--model", model, "--input", str(prompts), "--output", str(out)]
+    command += _flags({"max_tokens": GREEDY["max_tokens"], "temperature": 0})
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [_start(command, rank, coordinator, mesh, tmp_path) for rank in (0, 1)]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], _logs(tmp_path)
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert [records[str(i)]["text"] for i in range(len(PROMPTS))] == reference(mesh)["greedy"]
