@@ -113,7 +113,7 @@ def probe(rank: int, coordinator: str, size: int, messages: int) -> None:
         start = time.perf_counter()
         for n in range(messages):
             if transport == "device broadcast":
-                multihost_utils.broadcast_one_to_all(payload).block_until_ready()
+                multihost_utils.broadcast_one_to_all(payload)  # returns the host copy: delivered
             elif rank == 0:
                 client.key_value_set_bytes(f"probe/{n}", payload.tobytes())
             else:
