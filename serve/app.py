@@ -35,16 +35,8 @@ from jinfer.scheduler import QueueFullError
 from jinfer.structured import has_constraint
 
 from .bridge import EngineBridge
-from .protocol import (
-    APIError,
-    GenerationRequest,
-    api_param,
-    now,
-    parse_generation,
-    parse_json_object,
-    usage,
-)
-from .responses import ResponseWriter
+from .protocol import APIError, GenerationRequest, api_param, parse_generation, parse_json_object
+from .responses import ResponseWriter, now, usage
 from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
 from .tokens import detokenize, tokenize

@@ -1,4 +1,4 @@
-"""OpenAI request bodies in, validated jinfer requests out; jinfer results in, OpenAI bodies out.
+"""OpenAI request bodies in, validated jinfer requests out (the bodies out: serve/responses.py).
 
 Bodies are checked here for what is HTTP's own (JSON that parses, depth, text strings, field types
 and OpenAI's spellings); `SamplingParams` and the request-preparation path (`jinfer.prepare`) check
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
-import uuid
 from typing import Any
 
 from jinfer.sampling import RequestError, SamplingParams
@@ -239,12 +237,24 @@ _FIELDS = {
 }
 # OpenAI fields that change nothing in jinfer: accepted (nothing is stored, there is one tier).
 NO_EFFECT_FIELDS = {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+# Fields accepted at the value that asks for what jinfer does anyway: OpenAI's `modalities`, and
+# the SGLang / vLLM extras their routers (sglang-router, vllm-router) add to every body they forward.
+NEUTRAL_VALUES = {
+    "modalities": ["text"],
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "return_hidden_states": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,  # no effect without a reasoning parser, and jinfer has none
+    "stream_reasoning": True,
+    "include_reasoning": True,
+}
 
 
 def _check_fields(body: dict[str, Any], kind: str) -> None:
     unknown = sorted(set(body) - _FIELDS[kind] - NO_EFFECT_FIELDS)
-    if kind == "chat" and body.get("modalities") in (["text"], None):
-        unknown = [name for name in unknown if name != "modalities"]
+    neutral = lambda name: name in NEUTRAL_VALUES and body[name] in (NEUTRAL_VALUES[name], None)
+    unknown = [name for name in unknown if not neutral(name)]
     if unknown:
         others = f" (nor {', '.join(repr(u) for u in unknown[1:4])})" if len(unknown) > 1 else ""
         raise APIError(
@@ -372,85 +382,3 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         tool_choice=body.get("tool_choice"),
         parallel_tool_calls=body.get("parallel_tool_calls", True),
     )
-
-
-# ------------------------------------------------------------------------------ responses
-def new_id(kind: str) -> str:
-    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def token_text(data: bytes) -> str:
-    """A token's text in log-probs: its bytes as text, or, for part of a character, "bytes:" and
-    the bytes escaped (as OpenAI writes them), so that distinct tokens never share a text."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-
-def format_logprobs(
-    kind: str, token_bytes, entries: list[dict], text_offset: int = 0
-) -> dict[str, Any] | None:
-    """OpenAI logprobs objects from jinfer's per-token entries; `token_bytes(id)`: the bytes a
-    token stands for (`jinfer.structured.Grammars.token_bytes`): concatenated, the text's."""
-    if not entries:
-        return None
-    if kind == "chat":
-
-        def entry(i, v):
-            data = token_bytes(i)
-            return {"token": token_text(data), "logprob": v, "bytes": list(data)}
-
-        content = []
-        for e in entries:
-            top = [entry(i, v) for i, v in e["top"].items()]
-            content.append({**entry(e["token_id"], e["logprob"]), "top_logprobs": top})
-        return {"content": content}
-    tokens, offsets, written = [], [], b""
-    for e in entries:
-        data = token_bytes(e["token_id"])
-        tokens.append(token_text(data))
-        offsets.append(text_offset + len(written.decode("utf-8", errors="ignore")))  # whole characters before
-        written += data
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e["logprob"] for e in entries],  # None: an echoed prompt's first token
-        "top_logprobs": [
-            None if e["top"] is None else {token_text(token_bytes(i)): v for i, v in e["top"].items()}
-            for e in entries
-        ],
-        "text_offset": offsets,
-    }
-
-
-def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object. The prompts' figures come from a finished choice of each (`finals`,
-    one per prompt, None where none finished): the prompt tokens the engine used (fewer than sent
-    when it truncated) and how many of them it found in the prefix cache."""
-    prompt_tokens = cached = 0
-    for final, ids in zip(finals, prompt_ids, strict=True):
-        metrics = final.metrics if final is not None and final.metrics else {}
-        prompt_tokens += metrics.get("prompt_tokens", len(ids))
-        cached += metrics.get("cached_prompt_tokens", 0)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "completion_tokens_details": {
-            "reasoning_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
-
-
-def timings(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
-    """jinfer's extra per-request timings (not part of OpenAI's schema)."""
-    if not metrics:
-        return None
-    return {k: metrics.get(k) for k in ("queue_s", "ttft_s", "total_s", "decode_tokens_per_s")}

@@ -4,7 +4,8 @@ streaming one (`_sse`) with its buffering policy (`_next_batch`: up to --stream-
 or --stream-max-delay-ms per event, keep-alive comments after --keepalive-s of silence).
 
 `ResponseWriter` is the part of `JinferAPI` that writes responses; it reads the API's settings,
-model name, tokenizer and bridge.
+model name, tokenizer and bridge. The pieces every body shares (ids, timestamps, log-probs, usage,
+timings) come first.
 """
 
 from __future__ import annotations
@@ -12,13 +13,97 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jinfer.tools import ToolStream, tool_call_deltas
 
-from .protocol import APIError, GenerationRequest, format_logprobs, new_id, now, timings, usage
+from .protocol import APIError, GenerationRequest
+
+
+def new_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def token_text(data: bytes) -> str:
+    """A token's text in log-probs: its bytes as text, or, for part of a character, "bytes:" and
+    the bytes escaped (as OpenAI writes them), so that distinct tokens never share a text."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def format_logprobs(
+    kind: str, token_bytes, entries: list[dict], text_offset: int = 0
+) -> dict[str, Any] | None:
+    """OpenAI logprobs objects from jinfer's per-token entries; `token_bytes(id)`: the bytes a
+    token stands for (`jinfer.structured.Grammars.token_bytes`): concatenated, the text's."""
+    if not entries:
+        return None
+    if kind == "chat":
+
+        def entry(i, v):
+            data = token_bytes(i)
+            return {"token": token_text(data), "logprob": v, "bytes": list(data)}
+
+        content = []
+        for e in entries:
+            top = [entry(i, v) for i, v in e["top"].items()]
+            content.append({**entry(e["token_id"], e["logprob"]), "top_logprobs": top})
+        return {"content": content}
+    tokens, offsets, written = [], [], b""
+    for e in entries:
+        data = token_bytes(e["token_id"])
+        tokens.append(token_text(data))
+        offsets.append(text_offset + len(written.decode("utf-8", errors="ignore")))  # whole characters before
+        written += data
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e["logprob"] for e in entries],  # None: an echoed prompt's first token
+        "top_logprobs": [
+            None if e["top"] is None else {token_text(token_bytes(i)): v for i, v in e["top"].items()}
+            for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object. The prompts' figures come from a finished choice of each (`finals`,
+    one per prompt, None where none finished): the prompt tokens the engine used (fewer than sent
+    when it truncated) and how many of them it found in the prefix cache."""
+    prompt_tokens = cached = 0
+    for final, ids in zip(finals, prompt_ids, strict=True):
+        metrics = final.metrics if final is not None and final.metrics else {}
+        prompt_tokens += metrics.get("prompt_tokens", len(ids))
+        cached += metrics.get("cached_prompt_tokens", 0)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+def timings(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+    """jinfer's extra per-request timings (not part of OpenAI's schema)."""
+    if not metrics:
+        return None
+    return {k: metrics.get(k) for k in ("queue_s", "ttft_s", "total_s", "decode_tokens_per_s")}
+
 
 # SSE splits lines only at CR and LF, but clients that split with str.splitlines (httpx's
 # iter_lines among them) also break at these, which JSON leaves raw inside strings: a token

@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse
 
 from jinfer.tools import ToolStream
 
-from .protocol import NO_EFFECT_FIELDS, APIError, now
+from .protocol import NO_EFFECT_FIELDS, APIError
+from .responses import now
 
 REFUSED = {
     "previous_response_id": "responses are not stored: send the whole conversation as input",
