@@ -40,6 +40,10 @@ from jinfer.state import PackedChunk
 log = logging.getLogger("jinfer.cluster")
 
 HEARTBEAT_S = 1.0
+# A follower's first heartbeat comes once it has loaded the model and built its engine, which may
+# take it longer than the leader (another host, a slower disk): until then it is given JAX's own
+# start-up allowance, not follower_timeout_s.
+_FIRST_HEARTBEAT_S = 300.0
 _RECEIVE_MS = 1000  # a follower's wait for the next call, between checks that it should go on
 _STOP = "stop"
 
@@ -162,10 +166,11 @@ class Cluster:
                     beat = self.client.key_value_try_get(f"jinfer/alive/{follower}")
                 except Exception:  # no heartbeat written yet
                     beat = None
+                allowed = self.follower_timeout_s if last is not None else _FIRST_HEARTBEAT_S
                 if beat != last:
                     beats[follower] = (beat, now)
-                elif now - since > self.follower_timeout_s:
-                    on_failure(f"process {follower} sent no heartbeat for {self.follower_timeout_s:g} s")
+                elif now - since > allowed:
+                    on_failure(f"process {follower} sent no heartbeat for {allowed:g} s")
                     return
 
     def stop(self) -> None:

@@ -11,9 +11,10 @@ iteration just dispatched are read only after the next one is queued, so the hos
 and bookkeeping overlap the device's work. A constrained request (`jinfer.structured`) keeps that
 overlap: its decode row is deferred (fed, not sampled), and the next iteration, once the token
 before is read, dispatches `sample` under its allowed set before queueing the next decode behind
-it. A failing device call fails only the requests it
-touched (all running ones, for decode) with a clear error; the cache is rebuilt and the engine
-keeps serving.
+it. Every device call goes through `self.device` (`jinfer.device`), which a cluster's leader
+also publishes to its followers (`jinfer.cluster`). A failing device call fails only the requests
+it touched (all running ones, for decode) with a clear error; the cache is rebuilt and the engine
+keeps serving. In a cluster it fails the engine instead (`fail_all`): a process is gone.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ docs/scale.md (`scripts/serve_replicas.py`), run on loopback with the official `
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server import _free_port
+from test_server import _free_port, terminate
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "serve_replicas.py")
 SERVE = [
@@ -31,15 +30,11 @@ def _process(cmd: list[str], log_path):
     try:
         yield proc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
         log.close()
 
 
-def _wait(base: str, proc, log_path, timeout: float = 400) -> None:
+def _wait(base: str, proc, log_path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         assert proc.poll() is None, log_path.read_text()[-3000:]
@@ -69,10 +64,11 @@ def cache_aware(tiny_model, tmp_path_factory):
         *SERVE,
     ]
     with _process(cmd, log_path) as proc:
-        base = f"http://127.0.0.1:{port}"
-        _wait(base, proc, log_path)
-        announced = next(line for line in log_path.read_text().splitlines() if line.startswith("router "))
-        yield base, announced.split(" -> ")[1].split()
+        deadline = time.monotonic() + 400
+        while not (announced := [ln for ln in log_path.read_text().splitlines() if ln.startswith("router ")]):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)  # the script says "router URL (policy) -> replica URLs" once all answer
+        yield f"http://127.0.0.1:{port}", announced[0].split(" -> ")[1].split()
 
 
 def test_the_openai_client_is_served_through_the_router_streamed_or_not(cache_aware):

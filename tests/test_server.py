@@ -47,13 +47,19 @@ def running_server(model: str, *extra: str, timeout: float = 300):
             time.sleep(0.3)
         yield base, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate(proc)
         log.close()
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (a server drains, then exits), then SIGKILL if it is still there after `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 TINY_OPTIONS = [
