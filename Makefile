@@ -47,4 +47,7 @@ bench: setup
 	$(PY) scripts/bench_kv_pool.py --out results
 	$(PY) scripts/bench_paged_decode.py --baseline bd7b873 --page-sizes 64,32 --out results
 	$(PY) scripts/bench_quantized.py --out results
+	$(PY) scripts/bench_structured.py --out results
+	$(PY) scripts/bench_cluster.py --out results
+	$(PY) scripts/bench_load.py --out results
 	$(PY) scripts/profile_decode.py --out results

@@ -27,7 +27,6 @@ import uuid
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jinfer.cluster import current_cluster
@@ -44,15 +43,13 @@ from jinfer.request import PrefillWork, Request, RequestOutput, deliver
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scheduler import Plan, QueueFullError, Scheduler
 from jinfer.scoring import Scorer
-from jinfer.sharding import make_mesh, place_params
+from jinfer.sharding import DTYPES, make_mesh, place_params
 from jinfer.state import pack_chunk, pack_history
 from jinfer.steps import build_steps
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
 
 log = logging.getLogger("jinfer.engine")
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 __all__ = ["DispatchCounts", "Engine", "EngineUnavailable", "QueueFullError", "RequestOutput"]
 
@@ -70,7 +67,7 @@ class Engine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         devices = config.mesh_data * config.mesh_model
         params = loaded.params
         why = why_dequantized(config, devices)

@@ -18,7 +18,7 @@ import numpy as np
 from jinfer.cluster import join_cluster
 from jinfer.config import EngineConfig
 from jinfer.engine import Engine
-from jinfer.loading import default_model_path, load_model
+from jinfer.loading import default_model_path, load_model, placement_for
 from jinfer.models import llama
 from jinfer.prepare import PreparedRequest
 from jinfer.request import RequestOutput
@@ -83,7 +83,7 @@ class LLM:
         config = EngineConfig(**engine_options)
         member = join_cluster(config)  # before anything touches a device
         path = model if model is not None else default_model_path()
-        loaded = load_model(path, quantization=config.quantization)
+        loaded = load_model(path, quantization=config.quantization, placement=placement_for(config))
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.source} has no tokenizer files; jinfer.LLM needs one")
         self.config = loaded.config

@@ -1,7 +1,8 @@
 """Loading by what a path is: a Hugging Face directory, a .gguf file or a jinfer checkpoint
 directory (each format in `jinfer.formats`), for models (`load_model`, which adds the model's
-preset sampling defaults) and for tokenizers alone (`load_tokenizer`); and where the embedded
-default model lives (`default_model_path`)."""
+preset sampling defaults; onto a mesh's shards directly with `placement_for`'s placement) and
+for tokenizers alone (`load_tokenizer`); and where the embedded default model lives
+(`default_model_path`)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,30 @@ from jinfer.formats import checkpoint, gguf, hf
 from jinfer.formats.params import CheckpointError, LoadedModel
 from jinfer.presets import model_preset
 from jinfer.sampling import check_model_defaults
+from jinfer.sharding import DTYPES, Placement, make_mesh
 from jinfer.tokenizer import Tokenizer, TokenizerError
 
-__all__ = ["CheckpointError", "LoadedModel", "default_model_path", "load_model", "load_tokenizer"]
+__all__ = [
+    "CheckpointError",
+    "LoadedModel",
+    "default_model_path",
+    "load_model",
+    "load_tokenizer",
+    "placement_for",
+]
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
+def load_model(
+    path: str | os.PathLike, dtype=jnp.float32, quantization: str = "auto", placement: Placement | None = None
+) -> LoadedModel:
     """Load a HF model directory, a .gguf file or a jinfer checkpoint directory; the model's
     preset (`jinfer.presets`), if it has one, adds its sampling defaults. `quantization` (as
     `EngineConfig.quantization`): "auto" keeps quantized what the file holds quantized (a GGUF's
     matrices of the types jinfer multiplies, a checkpoint's blocks), "int8" also quantizes float
-    matrices, "none" dequantizes everything."""
-    loaded = _load(os.fspath(path), dtype, quantization)
+    matrices, "none" dequantizes everything. A `placement` (`placement_for`: a mesh of several
+    devices) loads a safetensors or GGUF model's weights straight onto their shards, in its dtype;
+    a checkpoint is restored whole, then placed."""
+    loaded = _load(os.fspath(path), dtype, quantization, placement)
     preset = model_preset(path)
     if "sampling" in preset:
         sampling = check_model_defaults(preset["sampling"], f"the preset for {os.path.basename(path)}")
@@ -32,20 +45,29 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, quantization: str = "
     return loaded
 
 
-def _load(path: str, dtype, quantization: str) -> LoadedModel:
+def _load(path: str, dtype, quantization: str, placement: Placement | None) -> LoadedModel:
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return gguf.load_gguf(path, dtype, quantization)
+        return gguf.load_gguf(path, dtype, quantization, placement)
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, checkpoint.CHECKPOINT_MARKER)):
             return checkpoint.load_checkpoint(path, dtype, quantization=quantization)
         if os.path.exists(os.path.join(path, "config.json")):
-            return hf.load_hf(path, dtype, quantization)
+            return hf.load_hf(path, dtype, quantization, placement)
     if not os.path.exists(path):
         raise CheckpointError(f"no model at {path}")
     raise CheckpointError(
         f"cannot load a model from {path}: expected a Hugging Face directory (config.json + *.safetensors), "
         f"a .gguf file, or a jinfer checkpoint directory ({checkpoint.CHECKPOINT_MARKER})"
     )
+
+
+def placement_for(config) -> Placement | None:
+    """Where `config` (an EngineConfig) puts the weights when its mesh spans several devices: a
+    loader then places each one on its shards (one device keeps the loaders' own path, which holds
+    quantized blocks and packs weights for the CPU kernels)."""
+    if config.mesh_data * config.mesh_model == 1:
+        return None
+    return Placement(make_mesh(config.mesh_data, config.mesh_model), DTYPES[config.dtype])
 
 
 def default_model_path() -> str:

@@ -20,6 +20,7 @@ from jinfer.models.llama import Params, is_spec, param_specs
 from jinfer.models.quantized import is_quantized
 
 DATA, MODEL = "data", "model"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # EngineConfig.dtype
 
 # Tensor parallelism over heads and the MLP width; the vocabulary is split the same way.
 RULES: dict[str, str | None] = {
@@ -65,23 +66,30 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def padded_for_mesh(cfg: ModelConfig, model_axis: int) -> tuple[ModelConfig, dict[str, int]]:
+    """The config with kv heads (and their query groups), MLP width and vocabulary rounded up to
+    divide `model_axis`, and those logical axes' padded sizes."""
+    kv = _round_up(cfg.num_kv_heads, model_axis)
+    heads = kv * cfg.num_groups  # query head n belongs to kv head n // groups: pad whole groups
+    mlp = _round_up(cfg.intermediate_size, model_axis)
+    vocab = _round_up(cfg.vocab_size, model_axis)
+    padded = dataclasses.replace(
+        cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=mlp, vocab_size=vocab
+    )
+    return padded, {"heads": heads, "kv_heads": kv, "mlp": mlp, "vocab": vocab}
+
+
 def pad_for_mesh(cfg: ModelConfig, params: Params, model_axis: int) -> tuple[ModelConfig, Params]:
     """Zero-pad kv heads (and their query groups), MLP width and vocabulary to divide `model_axis`.
 
     Padded heads have zero projections, so they attend uniformly to zero values and add nothing
     through their zero output rows; padded MLP units output silu(0) * 0 = 0; padded vocabulary
     entries are sliced off the logits by the steps. The padded model computes the same function.
+    Weights already padded (loaded into place: `Placement`) are left as they are.
     """
-    kv = _round_up(cfg.num_kv_heads, model_axis)
-    heads = kv * cfg.num_groups  # query head n belongs to kv head n // groups: pad whole groups
-    mlp = _round_up(cfg.intermediate_size, model_axis)
-    vocab = _round_up(cfg.vocab_size, model_axis)
-    if (kv, mlp, vocab) == (cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size):
+    padded, targets = padded_for_mesh(cfg, model_axis)
+    if padded == cfg:
         return cfg, params
-    padded = dataclasses.replace(
-        cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=mlp, vocab_size=vocab
-    )
-    targets = {"heads": heads, "kv_heads": kv, "mlp": mlp, "vocab": vocab}
 
     def pad(spec, array):
         if array is None:
@@ -105,3 +113,33 @@ def place_params(cfg: ModelConfig, params: Params, mesh: Mesh, dtype) -> tuple[M
         return jax.device_put(w, whole) if is_quantized(w) else jax.device_put(w.astype(dtype), sharding)
 
     return padded_cfg, jax.tree.map(placed, param_shardings(padded_cfg, mesh), params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where and how a loader puts each weight: straight onto its shards of `mesh`, padded for the
+    mesh's model axis and cast to `dtype` one device's slice at a time, so that no device (and no
+    host buffer beyond the file's own mapping) ever holds a whole float copy of the model."""
+
+    mesh: Mesh
+    dtype: object
+
+    def place(self, cfg: ModelConfig, array, spec) -> jax.Array:
+        """`array` (host memory, or a memory-mapped file; declared by `spec` of the unpadded `cfg`)
+        as a global array sharded as `param_shardings` declares it for the padded model."""
+        _, targets = padded_for_mesh(cfg, self.mesh.shape[MODEL])
+        shape = tuple(targets.get(axis, size) for axis, size in zip(spec.axes, array.shape, strict=True))
+        sharding = NamedSharding(self.mesh, partition_spec(spec.axes))
+        dtype = np.dtype(self.dtype)
+
+        def piece(index: tuple[slice, ...]) -> np.ndarray:
+            bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+            out = np.zeros([stop - start for start, stop in bounds], dtype)  # zero: padding
+            real = tuple(
+                slice(start, min(stop, n)) for (start, stop), n in zip(bounds, array.shape, strict=True)
+            )
+            values = np.asarray(array[real], dtype)  # only this slice is read from a mapped file
+            out[tuple(slice(0, n) for n in values.shape)] = values
+            return out
+
+        return jax.make_array_from_callback(shape, sharding, piece)

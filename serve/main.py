@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from jinfer.engine import Engine
-    from jinfer.loading import default_model_path, load_model
+    from jinfer.loading import default_model_path, load_model, placement_for
 
     from .app import build_app
     from .fingerprint import system_fingerprint
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = server.model or default_model_path()
     start = time.perf_counter()
     try:
-        loaded = load_model(model_path, quantization=engine_config.quantization)
+        placement = placement_for(engine_config)
+        loaded = load_model(model_path, quantization=engine_config.quantization, placement=placement)
         loaded.generation_defaults.update(sampling)
         engine = Engine(loaded, engine_config)
     except (ValueError, OSError) as e:

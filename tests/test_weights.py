@@ -15,13 +15,14 @@ import torch
 from tiny import VOCAB, write_gguf
 
 import jinfer
+from jinfer.config import EngineConfig
 from jinfer.formats.checkpoint import CHECKPOINT_MARKER, load_checkpoint, save_checkpoint
 from jinfer.formats.gguf import load_gguf
 from jinfer.formats.hf import load_hf
 from jinfer.formats.params import param_paths
-from jinfer.loading import CheckpointError, load_model
+from jinfer.loading import CheckpointError, load_model, placement_for
 from jinfer.models import llama, quantized
-from jinfer.sharding import MODEL, make_mesh, param_shardings
+from jinfer.sharding import MODEL, make_mesh, param_shardings, place_params
 
 
 def _flat(params) -> dict[str, np.ndarray]:
@@ -188,3 +189,28 @@ def test_param_paths_cover_every_declared_weight(tiny_model):
     paths = param_paths(loaded.config)
     assert "lm_head" not in paths and "layers.1.bqkv" in paths and "layers.0.q_norm" not in paths
     assert set(_flat(loaded.params)) == set(paths)
+
+
+def _same_placed(direct, whole, placement) -> None:
+    """Weights loaded onto their shards = the whole tree loaded, then placed: sharding, dtype, values."""
+    _, expected = place_params(whole.config, whole.params, placement.mesh, placement.dtype)
+    for got, want in zip(jax.tree.leaves(direct.params), jax.tree.leaves(expected), strict=True):
+        assert got.sharding == want.sharding and got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(("data", "model", "dtype"), [(2, 4, "float32"), (1, 8, "bfloat16")])
+def test_a_mesh_loads_each_weight_straight_onto_its_shards(tiny_model, data, model, dtype):
+    directory, _ = tiny_model("smollm2_like")  # 6 query / 2 kv heads: padded for the model axis
+    placement = placement_for(EngineConfig(mesh_data=data, mesh_model=model, dtype=dtype))
+    _same_placed(load_model(directory, placement=placement), load_model(directory), placement)
+
+
+def test_a_gguf_loads_dequantized_onto_its_shards(tiny_model, tmp_path):
+    directory, model = tiny_model("llama_gqa_untied")
+    path = str(tmp_path / "tiny-Q4_1.gguf")
+    write_gguf(model, directory, path, "Q4_1")
+    placement = placement_for(EngineConfig(mesh_model=4))
+    direct = load_gguf(path, placement=placement)
+    _same_placed(direct, load_gguf(path, quantization="none"), placement)
+    assert not quantized.formats_held(direct.params)

@@ -177,10 +177,11 @@ def _weight(tensor, keep_quantized: bool, dequantized: set[str]) -> np.ndarray |
     return dequantize(tensor)
 
 
-def load_gguf(path: str, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
+def load_gguf(path: str, dtype=jnp.float32, quantization: str = "auto", placement=None) -> LoadedModel:
     """A GGUF model. Unless `quantization` is "none", matrices of the types jinfer multiplies
     quantized (`_KEPT`) stay as their blocks; any other type is dequantized
-    (logged); "int8" quantizes the float matrices (`assemble_params`)."""
+    (logged); "int8" quantizes the float matrices (`assemble_params`). With a `placement` every
+    weight goes straight onto its shards, dequantized."""
     keep_quantized = quantization != "none"
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
@@ -214,7 +215,7 @@ def load_gguf(path: str, dtype=jnp.float32, quantization: str = "auto") -> Loade
             "%s: %s tensors dequantized to float32 at load (jinfer multiplies %s quantized)",
             path, ", ".join(sorted(dequantized)), ", ".join(_KEPT) if keep_quantized else "none",
         )  # fmt: skip
-    params = assemble_params(cfg, arrays, dtype, source=path, quantization=quantization)
+    params = assemble_params(cfg, arrays, dtype, path, quantization, placement)
     tokenizer = tokenizer_from_gguf(reader, meta)
     check_vocab(cfg, tokenizer, path)
     return LoadedModel(cfg, params, tokenizer, {}, path)

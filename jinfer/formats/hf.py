@@ -280,9 +280,35 @@ def _fuse_parts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if all(n in arrays for n in names):
             parts = [arrays.pop(n) for n in names]
             blocks = any(isinstance(p, quantized.HostBlocks) for p in parts)
-            stack = quantized.concatenate if blocks else np.concatenate
-            arrays[stacked] = stack(parts, axis=fused[1])
+            arrays[stacked] = quantized.concatenate(parts, fused[1]) if blocks else Stacked(parts, fused[1])
     return arrays
+
+
+class Stacked:
+    """Float parts of one stacked weight, concatenated only where they are read: a placement
+    (`jinfer.sharding.Placement`) reads one device's slice at a time, so no whole copy is made."""
+
+    def __init__(self, parts: list[np.ndarray], axis: int):
+        self.parts, self.axis, self.dtype = parts, axis, parts[0].dtype
+        sizes = [p.shape[axis] for p in parts]
+        self.shape = (*parts[0].shape[:axis], sum(sizes), *parts[0].shape[axis + 1 :])
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        start, stop, _ = index[self.axis].indices(self.shape[self.axis])
+        pieces, offset = [], 0
+        for part in self.parts:
+            size = part.shape[self.axis]
+            low, high = max(start - offset, 0), min(stop - offset, size)
+            if low < high or (not pieces and part is self.parts[-1]):
+                sub = list(index)
+                sub[self.axis] = slice(low, max(low, high))
+                pieces.append(part[tuple(sub)])
+            offset += size
+        return np.concatenate(pieces, axis=self.axis)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = np.concatenate(self.parts, axis=self.axis)
+        return whole if dtype is None else whole.astype(dtype)
 
 
 def named_arrays(cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -306,9 +332,10 @@ def named_arrays(cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]]) ->
     return _fuse_parts(out)
 
 
-def load_hf(directory: str, dtype=jnp.float32, quantization: str = "auto") -> LoadedModel:
+def load_hf(directory: str, dtype=jnp.float32, quantization: str = "auto", placement=None) -> LoadedModel:
     """A Hugging Face model directory; with `quantization` "int8" its matrices are quantized as
-    they are read (`assemble_params`)."""
+    they are read (`assemble_params`); with a `placement` each weight is read slice by slice from
+    the memory-mapped files straight onto its shards."""
     cfg = model_config(directory)
     files = _hf_weight_files(directory)
 
@@ -317,7 +344,7 @@ def load_hf(directory: str, dtype=jnp.float32, quantization: str = "auto") -> Lo
             yield from read_safetensors(path).items()
 
     arrays = named_arrays(cfg, tensors())
-    params = assemble_params(cfg, arrays, dtype, source=directory, quantization=quantization)
+    params = assemble_params(cfg, arrays, dtype, directory, quantization, placement)
     tokenizer = maybe_tokenizer(directory)
     check_vocab(cfg, tokenizer, directory)
     return LoadedModel(cfg, params, tokenizer, _generation_defaults(directory, cfg), directory)

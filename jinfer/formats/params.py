@@ -15,6 +15,7 @@ from jinfer.config import ModelConfig
 from jinfer.models import quantized
 from jinfer.models.llama import Params, is_spec, param_specs
 from jinfer.models.quantized import HostBlocks, HostStack, QuantizedWeight, StackedWeight
+from jinfer.sharding import Placement
 from jinfer.tokenizer import Tokenizer
 
 
@@ -62,10 +63,12 @@ def assemble_params(
     dtype=jnp.float32,
     source: str = "checkpoint",
     quantization: str = "auto",
+    placement: Placement | None = None,
 ) -> Params:
     """Check named arrays against the declaration and place them on the device: float values as
     `dtype` (matrices quantized to int8 when `quantization` is "int8"), quantized blocks as they
-    are (dequantized when it is "none")."""
+    are (dequantized when it is "none"). With a `placement` (a mesh of several devices, which
+    holds no quantized blocks) every weight goes straight onto its shards, as the placement's dtype."""
     expected = param_paths(cfg)
     missing = sorted(set(expected) - set(arrays))
     if missing:
@@ -82,8 +85,20 @@ def assemble_params(
             )
     specs = param_specs(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-    leaves = [placed(arrays[path_name(p)], spec, dtype, quantization) for p, spec in flat]
+    if placement is not None:
+        leaves = [placement.place(cfg, host_floats(arrays[path_name(p)]), spec) for p, spec in flat]
+    else:
+        leaves = [placed(arrays[path_name(p)], spec, dtype, quantization) for p, spec in flat]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def host_floats(array):
+    """A weight's values in host memory: float arrays as they are, quantized blocks dequantized
+    (one weight at a time on the default device, as ggml computes them)."""
+    if isinstance(array, HostBlocks | HostStack):
+        weight = (QuantizedWeight if isinstance(array, HostBlocks) else StackedWeight).from_host(array)
+        return np.asarray(quantized.dequantize(weight, jnp.float32))
+    return array
 
 
 def placed(array, spec, dtype, quantization: str):
