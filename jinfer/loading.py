@@ -35,8 +35,8 @@ def load_model(
     `EngineConfig.quantization`): "auto" keeps quantized what the file holds quantized (a GGUF's
     matrices of the types jinfer multiplies, a checkpoint's blocks), "int8" also quantizes float
     matrices, "none" dequantizes everything. A `placement` (`placement_for`: a mesh of several
-    devices) loads a safetensors or GGUF model's weights straight onto their shards, in its dtype;
-    a checkpoint is restored whole, then placed."""
+    devices) loads a safetensors or GGUF model's weights straight onto their shards, in its dtype,
+    and restores a checkpoint into them when the model divides the mesh without padding."""
     loaded = _load(os.fspath(path), dtype, quantization, placement)
     preset = model_preset(path)
     if "sampling" in preset:
@@ -50,7 +50,7 @@ def _load(path: str, dtype, quantization: str, placement: Placement | None) -> L
         return gguf.load_gguf(path, dtype, quantization, placement)
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, checkpoint.CHECKPOINT_MARKER)):
-            return checkpoint.load_checkpoint(path, dtype, quantization=quantization)
+            return checkpoint.load_checkpoint(path, dtype, quantization=quantization, placement=placement)
         if os.path.exists(os.path.join(path, "config.json")):
             return hf.load_hf(path, dtype, quantization, placement)
     if not os.path.exists(path):

@@ -124,6 +124,10 @@ class Placement:
     mesh: Mesh
     dtype: object
 
+    def fits(self, cfg: ModelConfig) -> bool:
+        """Whether the model's dimensions divide the mesh as they are (no padding)."""
+        return padded_for_mesh(cfg, self.mesh.shape[MODEL])[0] == cfg
+
     def place(self, cfg: ModelConfig, array, spec) -> jax.Array:
         """`array` (host memory, or a memory-mapped file; declared by `spec` of the unpadded `cfg`)
         as a global array sharded as `param_shardings` declares it for the padded model."""

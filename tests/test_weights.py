@@ -214,3 +214,11 @@ def test_a_gguf_loads_dequantized_onto_its_shards(tiny_model, tmp_path):
     direct = load_gguf(path, placement=placement)
     _same_placed(direct, load_gguf(path, quantization="none"), placement)
     assert not quantized.formats_held(direct.params)
+
+
+def test_a_checkpoint_restores_straight_onto_a_meshs_shards(tiny_model, tmp_path):
+    directory, _ = tiny_model("llama_gqa_untied")  # 4 query / 2 kv heads: divides model 2 as it is
+    save_checkpoint(str(tmp_path / "ckpt"), load_hf(directory))
+    placement = placement_for(EngineConfig(mesh_data=2, mesh_model=2, dtype="bfloat16"))
+    assert placement.fits(load_hf(directory).config)
+    _same_placed(load_model(str(tmp_path / "ckpt"), placement=placement), load_hf(directory), placement)

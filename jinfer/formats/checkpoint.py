@@ -19,6 +19,7 @@ from jinfer.formats.params import CheckpointError, LoadedModel, check_vocab, pat
 from jinfer.models import quantized
 from jinfer.models.llama import Params, abstract_params, is_spec, param_specs
 from jinfer.models.quantized import FORMATS, HostBlocks, HostStack, QuantizedWeight, StackedWeight
+from jinfer.sharding import Placement, param_shardings
 
 CHECKPOINT_MARKER = "jinfer_checkpoint.json"
 # The parameter layout a checkpoint holds. 2: stacked `wqkv` and `w_gate_up`; 3: weights may be
@@ -70,10 +71,16 @@ def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
 
 
 def load_checkpoint(
-    directory: str, dtype=jnp.float32, shardings: Params | None = None, quantization: str = "auto"
+    directory: str,
+    dtype=jnp.float32,
+    shardings: Params | None = None,
+    quantization: str = "auto",
+    placement: Placement | None = None,
 ) -> LoadedModel:
     """Restore a jinfer checkpoint straight into `shardings` (default: the first device; quantized
-    blocks go to it whole), as `quantization` asks (see `formats.params.placed`)."""
+    blocks go to it whole), as `quantization` asks (see `formats.params.placed`). A `placement`
+    whose mesh the model divides without padding, for a checkpoint of float weights, gives the
+    shardings and the dtype (else the checkpoint is restored whole, to be placed afterwards)."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -90,6 +97,8 @@ def load_checkpoint(
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, param_specs(cfg), is_leaf=is_spec)
     blocks = meta.get("quantized", {})
+    if placement is not None and not blocks and placement.fits(cfg):
+        shardings, dtype = param_shardings(cfg, placement.mesh), placement.dtype
     first = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def target_of(path, leaf):
