@@ -74,8 +74,8 @@ class Engine:
         if why and quantized.formats_held(params):
             log.info("engine: quantized weights dequantized to %s: %s", config.dtype, why)
             params = quantized.dequantized(params)
-        padded_cfg, self.params = place_params(loaded.config, params, self.mesh, self.dtype)
-        weight_bytes = param_bytes(quantized.floats(self.params))  # what a packed copy would take
+        padded_cfg, params = place_params(loaded.config, params, self.mesh, self.dtype)
+        weight_bytes = param_bytes(quantized.floats(params))  # what a packed copy would take
         per_token = bytes_per_token(padded_cfg, self.dtype)
         self.layout = layout = resolve_layout(
             config,
@@ -84,11 +84,11 @@ class Engine:
             cache_bytes_per_token=per_token,
             weight_bytes=weight_bytes,
             available_bytes=available_memory_bytes(self.mesh.devices.flat[0]) * devices,
-            quantized_weights=bool(quantized.formats_held(self.params)),
+            quantized_weights=bool(quantized.formats_held(params)),
         )
         if layout.packed_weights:  # one device: the packed copies' own placement will do
-            self.params = llama.pack_weights(self.params, padded_cfg)
-        shardings = jax.tree.map(lambda a: a.sharding, self.params)
+            params = llama.pack_weights(params, padded_cfg)
+        shardings = jax.tree.map(lambda a: a.sharding, params)
         self.cache_bytes = layout.num_pages * layout.page_size * per_token
         self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, loaded.config.vocab_size)
         self.preparer = RequestPreparer(
@@ -113,7 +113,7 @@ class Engine:
             layout.decode_steps,
         )
         tables = self.kv.tables.copy()  # the device's, as of _tables_version
-        self.device = Device(self.steps, self.params, self.dtype, tables, llama.unpacked(self.params))
+        self.device = Device(self.steps, params, self.dtype, tables, llama.unpacked(params))
         self._tables_version = self.kv.version
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, layout.max_seq_len)
@@ -134,10 +134,15 @@ class Engine:
             layout.max_seq_len,
             layout.mesh_data,
             layout.mesh_model,
-            quantized.describe_held(self.params),
+            quantized.describe_held(params),
         )
         log.info("engine: %s", layout.describe_pool(per_token))
         log.info("engine: %s", layout.describe())
+
+    @property
+    def params(self):
+        """The weights the steps run with (the device's: one copy, wherever it is read)."""
+        return self.device.params
 
     def warmup(self) -> float:
         """Compile every prefill bucket, every (mixed) decode bucket pair and the small verbs;

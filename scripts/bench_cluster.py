@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,15 +28,10 @@ import time
 import httpx
 import numpy as np
 from benchlib import markdown_table, paired_ratio, progress, write_results
+from serve_replicas import free_port, wait_until
 
 PROMPT = "Write a long story about a lighthouse keeper."
 SERVE = ["--mesh-model", "4", "--max-slots", "8", "--max-seq-len", "512", "--log-level", "warning"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], devices: int, log) -> subprocess.Popen:
@@ -48,8 +42,8 @@ def _spawn(args: list[str], devices: int, log) -> subprocess.Popen:
 @contextlib.contextmanager
 def servers(out_dir: str):
     """{"one process": base URL, "two processes": base URL}, both ready."""
-    ports = {"one process": _free_port(), "two processes": _free_port()}
-    coordinator = f"127.0.0.1:{_free_port()}"
+    ports = {"one process": free_port(), "two processes": free_port()}
+    coordinator = f"127.0.0.1:{free_port()}"
     serve = ["-m", "jinfer.cli", "serve", *SERVE]
     procs = []
     with open(os.path.join(out_dir, "bench_cluster.log"), "w") as log:
@@ -60,13 +54,7 @@ def servers(out_dir: str):
         bases = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         try:
             for base in bases.values():
-                while True:
-                    if any(p.poll() is not None for p in procs):
-                        raise RuntimeError(f"a server exited; see {log.name}")
-                    with contextlib.suppress(httpx.HTTPError):
-                        if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                            break
-                    time.sleep(1)
+                wait_until(base + "/ready", procs, timeout=1800)
             yield bases
         finally:
             for p in procs[:2]:
@@ -127,7 +115,7 @@ def probe(rank: int, coordinator: str, size: int, messages: int) -> None:
 
 
 def time_transports(size: int, messages: int) -> dict[str, float]:
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     command = [__file__, "--probe", coordinator, "--size", str(size), "--messages", str(messages)]
     env = os.environ | {"JAX_NUM_CPU_DEVICES": "2"}
     procs = [

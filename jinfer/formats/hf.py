@@ -299,11 +299,11 @@ class Stacked:
         for part in self.parts:
             size = part.shape[self.axis]
             low, high = max(start - offset, 0), min(stop - offset, size)
-            if low < high or (not pieces and part is self.parts[-1]):
-                sub = list(index)
-                sub[self.axis] = slice(low, max(low, high))
-                pieces.append(part[tuple(sub)])
+            if low < high:
+                pieces.append(part[(*index[: self.axis], slice(low, high), *index[self.axis + 1 :])])
             offset += size
+        if not pieces:  # an empty range: a slice lying wholly in the mesh's padding
+            return self.parts[0][(*index[: self.axis], slice(0, 0), *index[self.axis + 1 :])]
         return np.concatenate(pieces, axis=self.axis)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
