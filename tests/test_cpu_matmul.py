@@ -31,6 +31,25 @@ def _assert_packed_product_matches(rows, width, columns):
     assert np.abs(got - want).max() <= 1e-5 * np.sqrt(width) * np.abs(want).max()
 
 
+def _assert_columns_independent(rows=300, width=70):
+    """Each column's products are the same bits whatever the column count (1-32: every tiling)."""
+    rng = np.random.default_rng(5)
+    packed = cpu_matmul.pack(jnp.asarray(rng.standard_normal((rows, width), dtype=np.float32)))
+    x = rng.standard_normal((width, 32), dtype=np.float32)
+    product = jax.jit(cpu_matmul.matmul, static_argnums=2)
+    widest = np.asarray(product(packed, jnp.asarray(x), rows))
+    for columns in range(1, 32):
+        np.testing.assert_array_equal(
+            np.asarray(product(packed, jnp.asarray(x[:, :columns]), rows)), widest[:, :columns]
+        )
+
+
+def test_a_columns_products_do_not_depend_on_its_neighbours():
+    """Batch invariance and speculative decoding's exactness rest on this: a slot's token, and a
+    verify step's k + 1 positions, must be what it alone would get."""
+    _assert_columns_independent()
+
+
 @pytest.mark.parametrize("rows, width, columns", CASES)
 def test_packed_product_equals_xla_product(rows, width, columns):
     assert cpu_matmul.available()
@@ -45,7 +64,8 @@ def test_the_8_row_build_for_cpus_without_avx512_gives_the_same_products():
     script = (
         "import test_cpu_matmul as t; from jinfer.kernels import cpu_matmul as k; "
         "assert k.block_rows() == 8, k.block_rows(); "
-        "[t._assert_packed_product_matches(*case) for case in t.CASES]; print('checked', len(t.CASES))"
+        "[t._assert_packed_product_matches(*case) for case in t.CASES]; t._assert_columns_independent(); "
+        "print('checked', len(t.CASES))"
     )
     env = dict(os.environ, JINFER_KERNEL_CXXFLAGS="-mno-avx512f")
     run = subprocess.run(

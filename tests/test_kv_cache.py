@@ -198,6 +198,34 @@ def test_cpu_attention_kernel_equals_xla_attention(batch, tokens, head_dim, leng
     assert np.all(got[~active] == 0)
 
 
+@pytest.mark.parametrize(("page_size", "window"), [(16, 0), (48, 0), (64, 0), (16, 100), (64, 300)])
+def test_cpu_attention_query_does_not_depend_on_the_others_in_the_call(page_size, window):
+    """A query's output is the same bits alone as beside other queries of its row (a speculative
+    verify step's positions) and other rows of other lengths (a batch): batch invariance and
+    speculative decoding's exactness rest on it. Rows reach past several key splits."""
+    assert cpu_attention.available()
+    rng = np.random.RandomState(0)
+    kv_heads, groups, head_dim, tokens = 2, 3, 64, 5
+    max_pages = 1200 // page_size + 1
+    pool_pages = 1 + 4 * max_pages
+    pools = [jnp.asarray(rng.randn(kv_heads, pool_pages, page_size, head_dim), jnp.float32) for _ in "kv"]
+    tables = _scattered_tables(4, max_pages, pool_pages, seed=3)
+    q = rng.randn(4, kv_heads, groups, tokens, head_dim).astype(np.float32)
+    positions = np.array([1000, 7, 300, 255])[:, None] + np.arange(tokens)
+    call = jax.jit(cpu_attention.attention, static_argnums=5)
+    together = np.asarray(call(q, *pools, tables, positions, window))
+    for b in range(4):
+        for t in range(tokens):
+            alone = call(
+                q[b : b + 1, :, :, t : t + 1],
+                *pools,
+                tables[b : b + 1],
+                positions[b : b + 1, t : t + 1],
+                window,
+            )
+            np.testing.assert_array_equal(np.asarray(alone)[0, :, :, 0], together[b, :, :, t])
+
+
 def test_cpu_attention_kernel_that_cannot_be_built_leaves_xla_attention(
     tmp_path, monkeypatch, caplog, tiny_model
 ):

@@ -88,6 +88,19 @@ def test_kernel_products_equal_the_dequantized_product(format, columns):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("format", sorted(FORMATS))
+def test_a_columns_products_do_not_depend_on_its_neighbours(format):
+    """Each column's products are the same bits at every column count the kernel takes (1-32):
+    batch invariance and speculative decoding's exactness rest on it."""
+    cols = width(format, 2)
+    w, _ = weight(format, 109, cols)  # several whole groups of block rows and a partial one
+    x = np.random.default_rng(0).standard_normal((cols, 32)).astype(np.float32)
+    product = jax.jit(lambda x: quantized.project(w, x, (109,)))
+    widest = np.asarray(product(x))
+    for columns in range(1, 32):
+        np.testing.assert_array_equal(np.asarray(product(x[:, :columns])), widest[:, :columns])
+
+
 def test_rows_stack_and_permute_as_float_rows_do():
     """The loaders' row operations on quantized weights (reshape of the output dims, [None],
     stacking along an output axis) move the same rows as on the float values."""
@@ -264,6 +277,7 @@ def test_the_8_row_build_for_cpus_without_avx512_gives_the_same_products():
         "assert k.block_rows() == 8, k.block_rows()\n"
         "for f in sorted(t.FORMATS):\n"
         "    for n in (1, 3, 8, 17): t.test_kernel_products_equal_the_dequantized_product(f, n)\n"
+        "    t.test_a_columns_products_do_not_depend_on_its_neighbours(f)\n"
         "    t.test_blocks_hold_exactly_what_ggml_dequantizes_to(f)\n"
         "print('checked')"
     )

@@ -17,6 +17,12 @@
 //                              sliding window only position - s < window; a negative position
 //                              sees nothing (its output is zero)
 // Result: out [B, K, G, T, H]. Attributes: window (0: none), scale (applied to q . k).
+//
+// A query's output is the same bits whatever else is in the call (other sequences, other query
+// tokens of its own sequence: a speculative verify step's k + 1 positions give what k + 1
+// one-token decode steps give): keys are cut into splits and blocks on one fixed grid of
+// positions (splits of kSplitKeys from position 0, blocks at multiples of kBlock and page ends),
+// each query adds up the blocks it sees in order, and the splits are merged in order.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,6 +47,9 @@ using jinfer::Sum;
 constexpr int64_t kBlock = 32;  // keys per block: a block of K and V rows stays in L1 across queries
 constexpr int64_t kPrefetchKeys = 2 * kBlock;  // how far ahead key and value rows are prefetched
 constexpr int64_t kKeysPerHelper = 2048;  // (row, kv head, key) triples: below, one thread
+// Keys per split (a multiple of kBlock): splits let helper threads share one long row, and each
+// split's partial sums cost a merge.
+constexpr int64_t kSplitKeys = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x), 8 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n through the
@@ -144,8 +153,9 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
                  float* max, float* denominator, float* acc) {
   const int64_t H = d.head_dim;
   alignas(32) float scores[kBlock];
-  for (int64_t j0 = lo, j1; j0 < hi; j0 = j1) {
-    j1 = std::min({hi, j0 + kBlock, keys.PageEnd(j0)});  // a block lies within one page
+  // Blocks on the fixed grid: from a multiple of kBlock, to the next one or the page's end.
+  for (int64_t j0 = lo / kBlock * kBlock, j1; j0 < hi; j0 = j1) {
+    j1 = std::min({hi, (j0 / kBlock + 1) * kBlock, keys.PageEnd(j0)});
     const int64_t n = j1 - j0;
     const float* key_rows = keys.At(j0);
     const float* value_rows = values.At(j0);
@@ -230,10 +240,8 @@ struct Job {
     const int64_t split = task % splits, pair = task / splits;
     const int64_t b = pair / d.kv_heads, k = pair % d.kv_heads;
     const int64_t Q = d.queries(), H = d.head_dim;
-    if (lo[b] >= hi[b]) return;
-    // Equal splits in whole blocks; later splits may be empty.
-    const int64_t per_split = (hi[b] - lo[b] + splits * kBlock - 1) / (splits * kBlock) * kBlock;
-    const int64_t begin = lo[b] + split * per_split, end = std::min(hi[b], begin + per_split);
+    const int64_t begin = std::max(lo[b], split * kSplitKeys);
+    const int64_t end = std::min(hi[b], (split + 1) * kSplitKeys);
     if (begin >= end) return;
     const int64_t head_offset = k * d.pages * d.page_size * H;
     const int32_t* table = tables + b * d.max_pages;
@@ -303,10 +311,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   }
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
   const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : jinfer::PoolCores(pool);
-  // Enough tasks to keep every thread busy when few (row, kv head) pairs decode a long row, but
-  // no split shorter than 256 keys: each split's partial sums cost a merge.
-  job.splits = std::clamp<int64_t>((4 * threads + pairs - 1) / pairs, 1,
-                                    std::max<int64_t>(1, longest / 256));
+  int64_t furthest = 0;
+  for (int64_t b = 0; b < qd[0]; ++b) furthest = std::max(furthest, job.hi[b]);
+  job.splits = std::max<int64_t>(1, (furthest + kSplitKeys - 1) / kSplitKeys);
   job.tasks = pairs * job.splits;
   const int64_t Q = qd[2] * qd[3];
   job.max.assign(job.tasks * Q, kNegInf);

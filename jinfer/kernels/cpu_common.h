@@ -13,6 +13,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace jinfer {
 
 typedef float f8 __attribute__((vector_size(32)));
@@ -31,6 +35,35 @@ inline float Sum(f8 v) {
   float s = 0;
   for (int i = 0; i < 8; ++i) s += v[i];
   return s;
+}
+
+// x in every lane of a vector of 8 or 16 floats.
+template <typename V>
+inline V Broadcast(float x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return (V)_mm512_set1_ps(x);
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_set1_ps(x);
+#endif
+  V v;
+  for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(float)); ++i) v[i] = x;
+  return v;
+}
+
+// a * b + c for vectors of 8 or 16 floats, rounded once where the CPU has fused multiply-adds.
+// Spelled out rather than left to -ffp-contract: GCC fused `acc += w * x` in some instantiations
+// of a kernel's tile and not in others, so one column's sums came out differently depending on
+// how many columns shared its tile.
+template <typename V>
+inline V MulAdd(V a, V b, V c) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+#if defined(__FMA__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+  return a * b + c;
 }
 
 // The threads that can run at once: XLA's pool, at most the machine's cores. Asked once:

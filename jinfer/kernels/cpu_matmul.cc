@@ -36,7 +36,9 @@ constexpr int kWidestTile = 16;  // columns
 constexpr int kSumsInFlight = 8;  // independent sums that keep the FMA units busy: 2 units x 4 cycles
 typedef float Rows __attribute__((vector_size(kRows * sizeof(float))));
 
-constexpr int64_t kBlocksPerTask = 64 / kRows;  // 64 rows: small enough to balance, big enough to stream
+// 128 rows: small enough to balance, big enough to stream, and a whole number of the widest
+// group of blocks one tile takes (8, for one column).
+constexpr int64_t kBlocksPerTask = 128 / kRows;
 
 // Weights are read kPrefetchAhead input indices (16 KB with AVX-512) before use. At 8 columns the
 // multiplies take about as long as the bytes take to arrive, and without this the two did not
@@ -48,41 +50,36 @@ constexpr int64_t kPrefetchAhead = 256;
 // Blocks [b, b + B) x columns [c0, c0 + n), in one pass over their weights. Each x[k, c] loaded
 // is multiplied into B blocks' rows: with one block the loads of x (one per column and k)
 // outnumber its multiplies, and the load ports set the pace once the weights come from cache.
-// Fewer than kSumsInFlight sums leave the FMA units idle, so for few columns the k loop is also
-// unrolled U ways with separate sums.
+//
+// Every output is one running sum over k = 0, 1, ..., K - 1 in that order, whatever the tile:
+// a column's products are the same bits whether it is multiplied alone or beside 31 others (a
+// slot's tokens never depend on its neighbours; a speculative verify step's k + 1 positions per
+// row give what k + 1 one-column decode steps give). The sums in flight that keep the FMA units
+// busy therefore come from more blocks of rows (B), never from splitting k.
 template <int n, int B>
 inline void Tile(const float* packed, const float* x, float* y, int64_t K, int64_t N, int64_t b,
                  int64_t c0) {
   static_assert(B * n <= kSumRegisters);
-  constexpr int U =
-      std::max(1, std::min((kSumsInFlight + B * n - 1) / (B * n), kSumRegisters / (B * n)));
-  Rows acc[U][B][n] = {};
+  Rows acc[B][n] = {};
   const float* w = packed + b * K * kRows;
   const float* xc = x + c0;
-  // Input index k into the u-th set of sums. Each x[k, c] is used by every block as soon as it is
-  // loaded: holding all n at once took n more registers (GCC spilled sums at 12 columns).
-  auto step = [&](int64_t k, int u) {
+  for (int64_t k = 0; k < K; ++k) {
     Rows wv[B];
     for (int i = 0; i < B; ++i) {
       const float* wk = w + (i * K + k) * kRows;
       __builtin_prefetch(wk + kPrefetchAhead * kRows, 0, 1);  // toward L2
       wv[i] = jinfer::Load<Rows>(wk);
     }
+    // Each x[k, c] is used by every block as soon as it is loaded: holding all n at once took n
+    // more registers (GCC spilled sums at 12 columns).
     for (int c = 0; c < n; ++c) {
-      const float xkc = xc[k * N + c];
-      for (int i = 0; i < B; ++i) acc[u][i][c] += wv[i] * xkc;
+      const Rows xkc = jinfer::Broadcast<Rows>(xc[k * N + c]);
+      for (int i = 0; i < B; ++i) acc[i][c] = jinfer::MulAdd(wv[i], xkc, acc[i][c]);
     }
-  };
-  int64_t k = 0;
-  for (; k + U <= K; k += U)
-    for (int u = 0; u < U; ++u) step(k + u, u);
-  for (; k < K; ++k) step(k, 0);
+  }
   for (int i = 0; i < B; ++i)
-    for (int c = 0; c < n; ++c) {
-      Rows sum = acc[0][i][c];
-      for (int u = 1; u < U; ++u) sum += acc[u][i][c];
-      for (int r = 0; r < kRows; ++r) y[((b + i) * kRows + r) * N + c0 + c] = sum[r];
-    }
+    for (int c = 0; c < n; ++c)
+      for (int r = 0; r < kRows; ++r) y[((b + i) * kRows + r) * N + c0 + c] = acc[i][c][r];
 }
 
 // Columns one pass multiplies into B blocks: with AVX-512 12 for two blocks, 16 for one.
@@ -109,6 +106,23 @@ void Blocks(const float* packed, const float* x, float* y, int64_t K, int64_t N,
     TileOf<B>(std::min<int64_t>(kPassColumns<B>, N - c0), packed, x, y, K, N, b, c0);
 }
 
+// Blocks [b, end) B at a time while B of them remain; returns the first block left.
+template <int B>
+int64_t BlocksBy(const float* packed, const float* x, float* y, int64_t K, int64_t N, int64_t b,
+                 int64_t end) {
+  for (; b + B <= end; b += B) Blocks<B>(packed, x, y, K, N, b);
+  return b;
+}
+
+// Blocks taken together for N columns: the fewest (of 8, 4) that keep kSumsInFlight sums in
+// flight for few columns, else pairs while every column fits one pass of two (each x load then
+// serves two blocks).
+constexpr int BlocksFor(int64_t N) {
+  for (int B : {8, 4})
+    if (B / 2 * N < kSumsInFlight && B * N <= kSumRegisters) return B;
+  return N <= kPassColumns<2> ? 2 : 1;
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto pd = packed.dimensions(), xd = x.dimensions(), yd = y->dimensions();
@@ -125,9 +139,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffe
   jinfer::RunTasks(pool, jinfer::PoolCores(pool), tasks, [=](int64_t task) {
     const int64_t end = std::min(blocks, (task + 1) * kBlocksPerTask);
     int64_t b = task * kBlocksPerTask;
-    if (N <= kPassColumns<2>)  // every column in one pass of two blocks: take blocks in pairs
-      for (; b + 2 <= end; b += 2) Blocks<2>(w, columns, out, K, N, b);
-    for (; b < end; ++b) Blocks<1>(w, columns, out, K, N, b);
+    const int widest = BlocksFor(N);
+    if (widest >= 8) b = BlocksBy<8>(w, columns, out, K, N, b, end);
+    if (widest >= 4) b = BlocksBy<4>(w, columns, out, K, N, b, end);
+    if (widest >= 2) b = BlocksBy<2>(w, columns, out, K, N, b, end);
+    BlocksBy<1>(w, columns, out, K, N, b, end);
   });
   return ffi::Error::Success();
 }

@@ -34,6 +34,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jinfer::Broadcast;
+using jinfer::MulAdd;
+
 #ifdef __AVX512F__
 constexpr int kRows = 16;
 constexpr int kPassColumns = 16;  // running sums in registers: 16 of 32, the rest decode weights
@@ -46,7 +49,7 @@ typedef int32_t Ints __attribute__((vector_size(kRows * sizeof(int32_t))));
 
 constexpr int kGroup = 32;        // inputs per block
 constexpr int kSumsInFlight = 8;  // independent sums that keep the FMA units busy: 2 units x 4 cycles
-constexpr int64_t kBlocksPerTask = 64 / kRows;
+constexpr int64_t kBlocksPerTask = 128 / kRows;  // a whole number of the widest group of block rows
 constexpr int64_t kPrefetchBytes = 4096;  // read ahead toward L2, as the float kernel does
 
 enum Format : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_1 = 5, kQ5_K = 6 };
@@ -99,92 +102,121 @@ inline Rows Halves(const uint8_t* p) {
 #endif
 }
 
-// Block row b x columns [c0, c0 + n), in one pass over its groups. With few columns the sums are
-// split U ways over input indices so that kSumsInFlight of them are in flight.
-template <Format F, int n>
+// Block rows [b, b + B) x columns [c0, c0 + n), in one pass over their groups.
+//
+// Every output is one running sum over the inputs in a fixed order (a block's inputs in turn;
+// for 4-bit blocks input j, then j + 16), whatever the tile: a column's products are the same
+// bits whether it is multiplied alone or beside 31 others (a slot's tokens never depend on its
+// neighbours; a speculative verify step's k + 1 positions per row give what k + 1 one-column
+// decode steps give). The sums in flight that keep the FMA units busy therefore come from more
+// block rows (B), never from splitting the inputs.
+template <Format F, int n, int B>
 inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups, int64_t N, int64_t b,
                  int64_t c0) {
-  constexpr int U = std::max(1, kSumsInFlight / n);
-  static_assert(16 % U == 0);
-  Rows acc[U][n] = {};
-  // `inputs` int8 rows of R integers at q, times scale d, against x rows xg.
-  auto bytes = [&](const uint8_t* q, Rows d, const float* xg, int inputs) {
-    for (int j = 0; j < inputs; j += U)
-      for (int u = 0; u < U; ++u) {
-        const Rows w = __builtin_convertvector(WidenSigned(q + (j + u) * kRows), Rows) * d;
-        for (int c = 0; c < n; ++c) acc[u][c] += w * xg[(j + u) * N + c];
+  Rows acc[B][n] = {};
+  const uint8_t* group[B];  // each block row's current group
+  // `inputs` int8 rows of R integers at offset q of each group, times scale d, against x rows xg.
+  auto bytes = [&](int64_t q, const Rows* d, const float* xg, int inputs) {
+    for (int j = 0; j < inputs; ++j)
+      for (int i = 0; i < B; ++i) {
+        const Rows w = __builtin_convertvector(WidenSigned(group[i] + q + j * kRows), Rows) * d[i];
+        for (int c = 0; c < n; ++c) acc[i][c] = MulAdd(w, Broadcast<Rows>(xg[j * N + c]), acc[i][c]);
       }
   };
-  // `inputs` uint8 rows of R integers at q: w = d q + m.
-  auto unsigned_bytes = [&](const uint8_t* q, Rows d, Rows m, const float* xg, int inputs) {
-    for (int j = 0; j < inputs; j += U)
-      for (int u = 0; u < U; ++u) {
-        const Rows w = __builtin_convertvector(WidenUnsigned(q + (j + u) * kRows), Rows) * d + m;
-        for (int c = 0; c < n; ++c) acc[u][c] += w * xg[(j + u) * N + c];
+  // `inputs` uint8 rows of R integers at offset q: w = d q + m.
+  auto unsigned_bytes = [&](int64_t q, const Rows* d, const Rows* m, const float* xg, int inputs) {
+    for (int j = 0; j < inputs; ++j)
+      for (int i = 0; i < B; ++i) {
+        const Rows w = MulAdd(__builtin_convertvector(WidenUnsigned(group[i] + q + j * kRows), Rows), d[i], m[i]);
+        for (int c = 0; c < n; ++c) acc[i][c] = MulAdd(w, Broadcast<Rows>(xg[j * N + c]), acc[i][c]);
       }
   };
-  // 32 inputs of 4-bit integers at q (16 rows of R bytes): w = d q + m.
-  auto nibbles = [&](const uint8_t* q, Rows d, Rows m, const float* xg) {
-    for (int j = 0; j < kGroup / 2; j += U)
-      for (int u = 0; u < U; ++u) {
-        const Ints v = WidenUnsigned(q + (j + u) * kRows);
-        const Rows low = __builtin_convertvector(v & 15, Rows) * d + m;
-        const Rows high = __builtin_convertvector(v >> 4, Rows) * d + m;
+  // 32 inputs of 4-bit integers at offset q (16 rows of R bytes): w = d q + m.
+  auto nibbles = [&](int64_t q, const Rows* d, const Rows* m, const float* xg) {
+    for (int j = 0; j < kGroup / 2; ++j)
+      for (int i = 0; i < B; ++i) {
+        const Ints v = WidenUnsigned(group[i] + q + j * kRows);
+        const Rows low = MulAdd(__builtin_convertvector(v & 15, Rows), d[i], m[i]);
+        const Rows high = MulAdd(__builtin_convertvector(v >> 4, Rows), d[i], m[i]);
         for (int c = 0; c < n; ++c) {
-          acc[u][c] += low * xg[(j + u) * N + c];
-          acc[u][c] += high * xg[(j + u + kGroup / 2) * N + c];
+          acc[i][c] = MulAdd(low, Broadcast<Rows>(xg[j * N + c]), acc[i][c]);
+          acc[i][c] = MulAdd(high, Broadcast<Rows>(xg[(j + kGroup / 2) * N + c]), acc[i][c]);
         }
       }
   };
-  const uint8_t* row = blocks + b * groups * kGroupBytes<F>;
+  // Per block row: a float16 field at offset `at`; a byte field scaled (d * byte).
+  auto halves = [&](int64_t at, Rows* out) {
+    for (int i = 0; i < B; ++i) out[i] = Halves(group[i] + at);
+  };
+  auto scaled = [&](const Rows* d, int64_t at, Rows* out, bool is_signed) {
+    for (int i = 0; i < B; ++i) {
+      const Ints v = is_signed ? WidenSigned(group[i] + at) : WidenUnsigned(group[i] + at);
+      out[i] = d[i] * __builtin_convertvector(v, Rows);
+    }
+  };
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group = row + g * kGroupBytes<F>;
-    for (int64_t line = 0; line < kGroupBytes<F>; line += 64) __builtin_prefetch(group + kPrefetchBytes + line, 0, 1);
+    for (int i = 0; i < B; ++i) {
+      group[i] = blocks + ((b + i) * groups + g) * kGroupBytes<F>;
+      for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
+        __builtin_prefetch(group[i] + kPrefetchBytes + line, 0, 1);
+    }
     const float* xg = x + g * kInputs<F> * N + c0;
-    const Rows d = Halves(group);
+    Rows d[B], m[B];
+    halves(0, d);
     if constexpr (F == kQ8_0) {
-      bytes(group + 2 * kRows, d, xg, kGroup);
+      bytes(2 * kRows, d, xg, kGroup);
     } else if constexpr (F == kQ4_0) {
-      nibbles(group + 2 * kRows, d, d * -8.0f, xg);
+      for (int i = 0; i < B; ++i) m[i] = d[i] * -8.0f;
+      nibbles(2 * kRows, d, m, xg);
     } else if constexpr (F == kQ4_1) {
-      nibbles(group + 4 * kRows, d, Halves(group + 2 * kRows), xg);
-    } else if constexpr (F == kQ4_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs of nibbles
-      const Rows dmin = Halves(group + 2 * kRows);
+      halves(2 * kRows, m);
+      nibbles(4 * kRows, d, m, xg);
+    } else if constexpr (F == kQ4_K || F == kQ5_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs
+      Rows dmin[B], scale[B], offset[B];
+      halves(2 * kRows, dmin);
       for (int s = 0; s < 8; ++s) {
-        const Rows scale = d * __builtin_convertvector(WidenUnsigned(group + (4 + s) * kRows), Rows);
-        const Rows offset = dmin * __builtin_convertvector(WidenUnsigned(group + (12 + s) * kRows), Rows);
-        nibbles(group + (20 + 16 * s) * kRows, scale, -offset, xg + kGroup * s * N);
+        scaled(d, (4 + s) * kRows, scale, false);
+        scaled(dmin, (12 + s) * kRows, offset, false);
+        for (int i = 0; i < B; ++i) offset[i] = -offset[i];
+        if constexpr (F == kQ4_K)  // nibbles
+          nibbles((20 + 16 * s) * kRows, scale, offset, xg + kGroup * s * N);
+        else  // a byte per input
+          unsigned_bytes((20 + 32 * s) * kRows, scale, offset, xg + kGroup * s * N, kGroup);
       }
     } else if constexpr (F == kQ5_1) {
-      unsigned_bytes(group + 4 * kRows, d, Halves(group + 2 * kRows), xg, kGroup);
-    } else if constexpr (F == kQ5_K) {  // as Q4_K, with 8 x 32 inputs of bytes
-      const Rows dmin = Halves(group + 2 * kRows);
-      for (int s = 0; s < 8; ++s) {
-        const Rows scale = d * __builtin_convertvector(WidenUnsigned(group + (4 + s) * kRows), Rows);
-        const Rows offset = dmin * __builtin_convertvector(WidenUnsigned(group + (12 + s) * kRows), Rows);
-        unsigned_bytes(group + (20 + 32 * s) * kRows, scale, -offset, xg + kGroup * s * N, kGroup);
-      }
+      halves(2 * kRows, m);
+      unsigned_bytes(4 * kRows, d, m, xg, kGroup);
     } else {  // Q6_K: d, sc[16] int8, then 16 x 16 inputs of int8
+      Rows scale[B];
       for (int s = 0; s < 16; ++s) {
-        const Rows scale = d * __builtin_convertvector(WidenSigned(group + (2 + s) * kRows), Rows);
-        bytes(group + (18 + 16 * s) * kRows, scale, xg + 16 * s * N, 16);
+        scaled(d, (2 + s) * kRows, scale, true);
+        bytes((18 + 16 * s) * kRows, scale, xg + 16 * s * N, 16);
       }
     }
   }
-  for (int c = 0; c < n; ++c) {
-    Rows sum = acc[0][c];
-    for (int u = 1; u < U; ++u) sum += acc[u][c];
-    for (int r = 0; r < kRows; ++r) y[(b * kRows + r) * N + c0 + c] = sum[r];
-  }
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < n; ++c)
+      for (int r = 0; r < kRows; ++r) y[((b + i) * kRows + r) * N + c0 + c] = acc[i][c][r];
 }
 
-// Tile<F, n> for n = columns, 1 <= columns <= kPassColumns.
-template <Format F, int n = kPassColumns>
+// Tile<F, n, B> for n = columns, 1 <= columns <= kPassColumns.
+template <Format F, int B, int n = kPassColumns>
 void TileOf(int64_t columns, const uint8_t* blocks, const float* x, float* y, int64_t groups, int64_t N,
             int64_t b, int64_t c0) {
   if constexpr (n > 1)
-    if (columns < n) return TileOf<F, n - 1>(columns, blocks, x, y, groups, N, b, c0);
-  Tile<F, n>(blocks, x, y, groups, N, b, c0);
+    if (columns < n) return TileOf<F, B, n - 1>(columns, blocks, x, y, groups, N, b, c0);
+  Tile<F, n, B>(blocks, x, y, groups, N, b, c0);
+}
+
+// Block rows [b, end) B at a time while B of them remain, every column in passes of
+// kPassColumns; returns the first block row left.
+template <Format F, int B>
+int64_t RowsBy(const uint8_t* blocks, const float* x, float* y, int64_t groups, int64_t N, int64_t b,
+               int64_t end) {
+  for (; b + B <= end; b += B)
+    for (int64_t c0 = 0; c0 < N; c0 += kPassColumns)
+      TileOf<F, B>(std::min<int64_t>(kPassColumns, N - c0), blocks, x, y, groups, N, b, c0);
+  return b;
 }
 
 template <Format F>
@@ -192,9 +224,13 @@ void Run(ffi::ThreadPool& pool, const uint8_t* blocks, const float* x, float* y,
          int64_t groups, int64_t N) {
   const int64_t tasks = (rows_blocks + kBlocksPerTask - 1) / kBlocksPerTask;
   jinfer::RunTasks(pool, jinfer::PoolCores(pool), tasks, [=](int64_t task) {
-    for (int64_t b = task * kBlocksPerTask; b < std::min(rows_blocks, (task + 1) * kBlocksPerTask); ++b)
-      for (int64_t c0 = 0; c0 < N; c0 += kPassColumns)
-        TileOf<F>(std::min<int64_t>(kPassColumns, N - c0), blocks, x, y, groups, N, b, c0);
+    const int64_t end = std::min(rows_blocks, (task + 1) * kBlocksPerTask);
+    int64_t b = task * kBlocksPerTask;
+    // Block rows taken together: enough sums in flight for one or two columns (4-bit blocks make
+    // two dependent products per input pair, so each sum's chain is long).
+    if (N == 1) b = RowsBy<F, 8>(blocks, x, y, groups, N, b, end);
+    if (N <= 2) b = RowsBy<F, 4>(blocks, x, y, groups, N, b, end);
+    RowsBy<F, 1>(blocks, x, y, groups, N, b, end);
   });
 }
 
