@@ -50,4 +50,5 @@ bench: setup
 	$(PY) scripts/bench_structured.py --out results
 	$(PY) scripts/bench_cluster.py --out results
 	$(PY) scripts/bench_load.py --out results
+	$(PY) scripts/bench_speculative.py --rounds 5 --out results
 	$(PY) scripts/profile_decode.py --out results

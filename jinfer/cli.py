@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="treat each prompt as a user message and apply the chat template"
     )
     gen.add_argument("--json", action="store_true", help="print one JSON record per prompt")
-    add_flags(gen, SamplingParams, title="sampling (unset knobs: the model's defaults)")
+    # A request's `speculative` opt-out is for servers; here --speculative sets the engine's.
+    add_flags(
+        gen, SamplingParams, title="sampling (unset knobs: the model's defaults)", skip=("speculative",)
+    )
     add_flags(gen, EngineConfig, title="engine", skip=("context_policy",))
     gen.add_argument(
         "--context-policy",

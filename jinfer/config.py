@@ -121,6 +121,9 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_STOP_IDS = 64  # stop_token_ids + eos ids
 
 
+SPECULATIVE = ("off", "ngram")  # where draft tokens come from (`jinfer.speculative.DRAFT_SOURCES`)
+
+
 def dispatch_steps(decode_steps: int, mixed: bool) -> int:
     """Decode steps (tokens per slot) in one decode dispatch: `decode_steps`, or one for a dispatch
     carrying a prompt chunk (mixed prefill), whose cost must stay close to one plain step."""
@@ -166,6 +169,12 @@ class EngineConfig:
         "while requests decode, prefill prompts this many tokens at a time inside the decode steps "
         "(steadier streams, later first tokens); 0: prompts get dispatches of their own",
     )
+    speculative: str = setting(
+        "off",
+        "ngram: decode steps verify draft tokens looked up in each request's own prompt and output "
+        "(exact: the same tokens as without; used only where it pays); off",
+    )
+    num_draft_tokens: int = setting(4, "draft tokens a speculative decode step verifies per request")
     dtype: str = setting("float32", "float32 | bfloat16 | float16")
     decode_kernel: bool = setting(
         True,
@@ -205,6 +214,7 @@ class EngineConfig:
 
     def __post_init__(self):
         positive = ("max_slots", "max_seq_len", "max_queue", "prefill_token_budget", "decode_steps")
+        positive += ("num_draft_tokens",)
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -223,6 +233,8 @@ class EngineConfig:
                 raise ValueError(
                     f"{name} must be true or false{' or auto' * (name == 'packed_weights')}, got {value!r}"
                 )
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
         if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 0:
             raise ValueError(
                 f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}"

@@ -11,6 +11,7 @@ call (the engine's loop and a server scoring a text).
     prefill(allowed, chunk) -> out                     decode(rows, attn_len, row_steps, deferred,
     mixed(rows, attn_len, allowed, row_steps, deferred,       want_logprobs) -> out
           want_logprobs, chunk) -> out, chunk_out      sample(allowed, deferred, want_logprobs) -> out
+    verify(rows, attn_len, k, row_steps, drafting, deferred, want_logprobs) -> out, drafted
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
 
 `allowed` is the [slots, W] bitmask of a dispatch with constrained rows, None without.
@@ -19,16 +20,30 @@ call (the engine's loop and a server scoring a text).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 
 import jax
 import numpy as np
 
+from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scoring import score_program
+from jinfer.state import pack_chunk, pack_history
 from jinfer.steps import Steps
 
-VERBS = ("prefill", "decode", "mixed", "sample", "history", "clear_pages", "set_tables", "reset", "score")
+VERBS = (
+    "prefill",
+    "decode",
+    "mixed",
+    "verify",
+    "sample",
+    "history",
+    "clear_pages",
+    "set_tables",
+    "reset",
+    "score",
+)
 
 
 class Device:
@@ -88,6 +103,18 @@ class Device:
 
         return self._call("mixed", (rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk), run)
 
+    def verify(self, rows, attn_len, k, row_steps, drafting, deferred, want_logprobs):
+        def run():
+            carried = (self.params, self.cache, self.state, self.tables)
+            verify = self.steps.verify[rows, attn_len, k]
+            self.cache, self.state, out, drafted = verify(
+                *carried, row_steps, drafting, deferred, want_logprobs
+            )
+            return out, drafted
+
+        args = (rows, attn_len, k, row_steps, drafting, deferred, want_logprobs)
+        return self._call("verify", args, run)
+
     def sample(self, allowed, deferred, want_logprobs):
         def run():
             self.state, out = self.steps.sample(self.state, self._allowed(allowed), deferred, want_logprobs)
@@ -128,6 +155,56 @@ class Device:
     def score(self, tokens):
         """`jinfer.scoring`'s program over tokens [1, T]: (chosen, top ids, top log-probs) on device."""
         return self._call("score", (tokens,), lambda: self._score(self._score_params, tokens))
+
+    # ---------------------------------------------------------------------------- warm-up
+    def warm_up(self, no_pages: np.ndarray) -> None:
+        """Compile every prefill bucket, every (mixed, verify) decode bucket pair and the small
+        verbs (`no_pages`: an empty page list for clear_pages). Nothing is written: the warm-up
+        rows have no pages."""
+        layout, vocab = self.steps.layout, self.steps.vocab_size
+        greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
+        chunk = lambda size: pack_chunk(
+            np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False
+        )
+        idle = lambda rows: (np.zeros(rows, np.int32), np.zeros(rows, bool), np.False_)
+        for size in layout.prefill_buckets:
+            out = self.prefill(None, chunk(size))
+        for rows, attn_len in self.steps.decode:
+            out = self.decode(rows, attn_len, *idle(rows))
+            out = self.sample(None, np.zeros(rows, bool), np.False_)
+        for rows, attn_len in self.steps.mixed:
+            out, _ = self.mixed(rows, attn_len, None, *idle(rows), chunk(layout.mixed_chunk_len(rows)))
+        for rows, attn_len, k in self.steps.verify:
+            row_steps, deferred, logprobs = idle(rows)
+            out, _ = self.verify(rows, attn_len, k, row_steps, deferred, deferred, logprobs)
+        self.history(pack_history(0, [], 0, layout.max_seq_len))
+        self.clear_pages(no_pages)
+        jax.block_until_ready((out, self.cache, self.state))
+
+    def verify_cost(self, rounds: int = 5) -> dict[tuple[int, int], float]:
+        """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's
+        (the best of `rounds` each, every row busy, at the smallest attention bucket). The rows'
+        tables point at no page before any request ran (warm-up), so nothing is written; their
+        slot state is left for the next prefill to set."""
+        layout, costs = self.steps.layout, {}
+        attn_len = layout.attention_buckets[0]
+
+        def best(call):
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                jax.block_until_ready(call().tokens)
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        for rows in sorted({rows for rows, _ in layout.verify_variants}):
+            busy = np.full(rows, layout.decode_steps, np.int32)
+            none, every = np.zeros(rows, bool), np.ones(rows, bool)
+            decode = best(partial(self.decode, rows, attn_len, busy, none, np.False_))
+            for k in (k for r, k in layout.verify_variants if r == rows):
+                verify = partial(self.verify, rows, attn_len, k, busy, every, none, np.False_)
+                costs[rows, k] = best(lambda verify=verify: verify()[0]) / decode
+        return costs
 
     def consumed(self) -> bool:
         """Whether a failed call took the donated cache or state with it."""

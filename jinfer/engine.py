@@ -2,7 +2,8 @@
 
     submit / cancel (any thread) --inbox, under a lock--> Scheduler
     loop thread:  plan -> dispatch prefill chunks + one multi-step decode (async, cache donated),
-                  or, with mixed prefill while requests decode, one decode step carrying a chunk
+                  or, with mixed prefill while requests decode, one decode step carrying a chunk,
+                  or, speculating, decode steps that verify draft tokens (`jinfer.speculative`)
                   -> read the previous iteration's tokens (one iteration late) -> scheduler.commit
                   -> the events it returns go to the sinks, outside the lock
 
@@ -40,11 +41,11 @@ from jinfer.models import llama, quantized
 from jinfer.paging import KVPages, SequencePages
 from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.request import PrefillWork, Request, RequestOutput, deliver
-from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scheduler import Plan, QueueFullError, Scheduler
 from jinfer.scoring import Scorer
 from jinfer.sharding import DTYPES, make_mesh, place_params
-from jinfer.state import pack_chunk, pack_history
+from jinfer.speculative import Speculation, may_draft
+from jinfer.state import pack_history
 from jinfer.steps import build_steps
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
@@ -111,13 +112,16 @@ class Engine:
             self.kv,
             layout.mixed_chunk_len if layout.mixed_prefill_tokens else None,
             layout.decode_steps,
+            layout.draft_tokens,
         )
+        self.speculation = Speculation(layout.verify_variants) if layout.verify_variants else None
         tables = self.kv.tables.copy()  # the device's, as of _tables_version
         self.device = Device(self.steps, params, self.dtype, tables, llama.unpacked(params))
         self._tables_version = self.kv.version
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, layout.max_seq_len)
-        self._pending: list[tuple[list[Request | None], object]] = []  # dispatched, not yet read
+        # Dispatched, not yet read: (owners, output, (steps, drafts proposed) of a verify dispatch).
+        self._pending: list[tuple[list[Request | None], object, tuple | None]] = []
         self._deferred: list[Request | None] | None = None  # per slot: decoded, waiting for `sample`
         self.dispatch_counts = DispatchCounts()  # written by the loop thread only
         self._lock = threading.Condition()
@@ -145,27 +149,13 @@ class Engine:
         return self.device.params
 
     def warmup(self) -> float:
-        """Compile every prefill bucket, every (mixed) decode bucket pair and the small verbs;
-        return the seconds. Nothing is written: the warm-up rows have no pages."""
+        """Compile every prefill bucket, every (mixed, verify) decode bucket pair and the small
+        verbs, and time verify against decode steps for the speculation policy; return the
+        seconds. Nothing is written: the warm-up rows have no pages."""
         start = time.perf_counter()
-        vocab = self.steps.vocab_size
-        greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
-        device, deferred = self.device, np.zeros(self.layout.max_slots, bool)
-        for size in self.layout.prefill_buckets:
-            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
-            out = device.prefill(None, chunk)
-        for rows, attn_len in self.steps.decode:
-            idle = np.zeros(rows, np.int32)
-            out = device.decode(rows, attn_len, idle, deferred[:rows], np.False_)
-            out = device.sample(None, deferred[:rows], np.False_)
-        for rows, attn_len in self.steps.mixed:
-            idle = np.zeros(rows, np.int32)
-            size = self.layout.mixed_chunk_len(rows)
-            chunk = pack_chunk(np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False)
-            out, _ = device.mixed(rows, attn_len, None, idle, deferred[:rows], np.False_, chunk)
-        device.history(pack_history(0, [], 0, self.layout.max_seq_len))
-        device.clear_pages(self._page_list([]))
-        jax.block_until_ready((out, device.cache, device.state))
+        self.device.warm_up(self._page_list([]))
+        if self.speculation is not None:
+            self.speculation.cost = self.device.verify_cost()
         return time.perf_counter() - start
 
     def compile_count(self) -> int:
@@ -232,6 +222,7 @@ class Engine:
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
             kv=SequencePages(salt=prepared.cache_salt),
             constraint=prepared.grammar.start() if prepared.grammar is not None else None,
+            speculative=self.speculation is not None and may_draft(sampling, prepared.grammar is not None),
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:
@@ -298,8 +289,8 @@ class Engine:
         deliver(plan.events)
         dispatched = self._dispatch(plan)
         previous, self._pending = self._pending, dispatched
-        for owners, out in previous:
-            self._commit(owners, out)
+        for entry in previous:
+            self._commit(*entry)
 
     def run_until_idle(self) -> None:
         while True:
@@ -330,7 +321,7 @@ class Engine:
             counts.prefill_tokens += len(work.tokens)
             counts.prefill_padding += size - len(work.tokens)
             if work.last:
-                dispatched.append(([work.request], out))
+                dispatched.append(([work.request], out, None))
         if not plan.decodes:
             return dispatched
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
@@ -342,13 +333,14 @@ class Engine:
         running = [r for r in owners if r is not None]
         sampled_here = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
         want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in sampled_here))
+        fused, verifying = plan.fused, None
+        if self.speculation and fused is None:
+            verifying = self.speculation.choose(rows, owners, steps)
         # The device may be one dispatch ahead of what the host has read, and this dispatch adds
-        # decode_steps more positions: attend over a bucket that surely holds them all (and the
-        # carried prompt chunk's positions).
-        furthest = (
-            max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * self.layout.decode_steps + 1
-        )
-        fused = plan.fused
+        # up to decode_steps x (draft tokens + 1) positions: attend over a bucket that surely holds
+        # them all (and the carried prompt chunk's positions).
+        per_dispatch = self.layout.decode_steps * (1 + self.layout.draft_tokens)
+        furthest = max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * per_dispatch + 1
         if fused is not None:
             furthest = max(furthest, fused.start + len(fused.tokens))
         attn_len = self.layout.attention_bucket(furthest)
@@ -356,7 +348,10 @@ class Engine:
             if fused is not None:
                 self._set_history(fused)
             rows_args = (row_steps, deferred, want_logprobs)
-            if fused is None:
+            if verifying is not None:  # (draft tokens, the rows that draft)
+                k, drafting = verifying
+                out, drafted = self.device.verify(rows, attn_len, k, row_steps, drafting, *rows_args[1:])
+            elif fused is None:
                 out = self.device.decode(rows, attn_len, *rows_args)
             else:
                 chunk = fused.packed(self.layout.mixed_chunk_len(rows), self.steps.vocab_size)
@@ -371,11 +366,13 @@ class Engine:
         if fused is not None:
             counts.mixed_dispatches += 1
             counts.mixed_tokens += len(fused.tokens)
-        dispatched.append(([None if d else r for r, d in zip(owners, deferred, strict=True)], out))
+        counts.verify_dispatches += verifying is not None
+        verified = (steps, drafted) if verifying is not None else None
+        dispatched.append(([None if d else r for r, d in zip(owners, deferred, strict=True)], out, verified))
         if deferred.any():
             self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
         if fused is not None and fused.last:
-            dispatched.append(([fused.request], chunk_out))
+            dispatched.append(([fused.request], chunk_out, None))
         return dispatched
 
     def _sample_deferred(self) -> None:
@@ -400,14 +397,13 @@ class Engine:
             self._recover([r for r in owners if r is not None], e)
             return
         self.dispatch_counts.sample_dispatches += 1
-        self._pending.append((owners, out))
+        self._pending.append((owners, out, None))
 
     def _set_history(self, work: PrefillWork) -> None:
-        """Before a penalised request's first chunk: its slot's prompt mask and output counts, from
-        its tokens (the prefix cache may spare it computing some, a preemption makes it prefill its
-        output again). Requests without penalties never read them."""
-        sp = work.request.sampling
-        if work.first and (sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty):
+        """Before a penalised or speculative request's first chunk: its slot's prompt mask, output
+        counts and token history, from its tokens (the prefix cache may spare it computing some, a
+        preemption makes it prefill its output again). Other requests never read them."""
+        if work.first and (work.request.sampling.penalised or work.request.speculative):
             request = work.request
             packed = pack_history(
                 work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len
@@ -420,7 +416,9 @@ class Engine:
         padded[: len(pages)] = pages
         return padded
 
-    def _commit(self, owners: list[Request | None], out) -> None:
+    def _commit(self, owners: list[Request | None], out, verified: tuple | None) -> None:
+        """Hand a dispatch's tokens to the scheduler (`verified`: a verify dispatch's decode steps
+        and the draft tokens proposed [steps, rows], whose acceptance is recorded first)."""
         want_logprobs = any(r is not None and r.sampling.logprobs is not None for r in owners)
         # Only what the requests use crosses to the host: each array fetched costs host time.
         wanted = [out.tokens, out.bad] + (
@@ -434,8 +432,12 @@ class Engine:
             self._recover([r for r in owners if r is not None], e)
             return
         logprobs = dict(zip(("logprobs", "top_ids", "top_logprobs"), extra, strict=True)) if extra else None
+        steps = None
+        if verified is not None:  # its requests' acceptance first: their final metrics include it
+            steps = verified[0]
+            Speculation.record(owners, tokens, steps, np.asarray(verified[1]), self.dispatch_counts)
         with self._lock:
-            committed = self.scheduler.commit(owners, tokens, bad, logprobs)
+            committed = self.scheduler.commit(owners, tokens, bad, logprobs, steps)
             self._lock.notify_all()
         poisoned = committed.poisoned_pages  # zeroed before the next plan can give them to someone
         for start in range(0, len(poisoned), self.layout.max_pages):

@@ -36,6 +36,11 @@ def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
     return (*sizes, last)
 
 
+# Columns a verify step may give each product: the few-column kernels' (past them XLA's dot would
+# take over, whose sums differ from the kernels' in the last bits: no longer exact).
+SPECULATIVE_COLUMNS = cpu_matmul.MAX_COLUMNS
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The engine's layout in effect (see the module docstring for what is resolved)."""
@@ -46,6 +51,8 @@ class Layout:
     prefill_buckets: tuple[int, ...]
     prefill_token_budget: int
     decode_steps: int
+    speculative: str  # where draft tokens come from (`config.SPECULATIVE`), or "off"
+    draft_tokens: int  # tokens a speculative decode step verifies per row (0: speculation off)
     mixed_prefill_tokens: int
     dtype: str
     mesh_data: int
@@ -62,6 +69,18 @@ class Layout:
     def max_pages(self) -> int:
         """Block-table entries per sequence: pages of max_seq_len positions."""
         return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def verify_variants(self) -> tuple[tuple[int, int], ...]:
+        """(slot bucket, draft tokens) pairs compiled as verify steps: draft lengths of powers of
+        two up to `draft_tokens` (and it), where rows x (draft tokens + 1) columns stay within
+        what the few-column kernels take (`SPECULATIVE_COLUMNS`); a bigger batch reads the
+        weights for enough columns already."""
+        if not self.draft_tokens:
+            return ()
+        lengths = sorted({*(2**i for i in range(self.draft_tokens.bit_length())), self.draft_tokens})
+        fits = lambda rows, k: rows * (k + 1) <= SPECULATIVE_COLUMNS
+        return tuple((rows, k) for rows in self.slot_buckets for k in lengths if fits(rows, k))
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -141,6 +160,10 @@ class Layout:
         attention = {"cpu": "jinfer's C++ kernel", "gpu": "Pallas kernel", None: "XLA's einsums"}
         mixed = f", mixed prefill {self.mixed_prefill_tokens}+ tokens" if self.mixed_prefill_tokens else ""
         steps = f"{self.decode_steps} decode step{'s' * (self.decode_steps != 1)} per dispatch"
+        if self.draft_tokens:
+            variants = " ".join(f"{rows}x{k}" for rows, k in self.verify_variants) or "none"
+            steps += f", speculative ({self.speculative}): up to {self.draft_tokens} draft tokens"
+            steps += f" (slots x drafts: {variants})"
         return (
             f"products: {products}; attention: {attention[self.attention_kernel]}; "
             f"prefill buckets {','.join(map(str, self.prefill_buckets))}; slot buckets "
@@ -258,6 +281,8 @@ def resolve_layout(
         prefill_buckets=tuple(sorted({min(b, max_seq_len) for b in config.prefill_buckets})),
         prefill_token_budget=config.prefill_token_budget,
         decode_steps=config.decode_steps,
+        speculative=config.speculative,
+        draft_tokens=config.num_draft_tokens if config.speculative != "off" else 0,
         mixed_prefill_tokens=config.mixed_prefill_tokens,
         dtype=config.dtype,
         mesh_data=config.mesh_data,

@@ -38,6 +38,9 @@ class DispatchCounts:
     decode_active_row_steps: int = 0
     decode_idle_row_steps: int = 0
     sample_dispatches: int = 0  # deferred (constrained) rows sampled on their own
+    verify_dispatches: int = 0  # decode dispatches whose steps verified draft tokens
+    draft_tokens: int = 0  # draft tokens proposed to those steps...
+    accepted_tokens: int = 0  # ... and accepted (each beside the token the step makes anyway)
 
 
 class _DispatchCollector:
@@ -78,6 +81,15 @@ class _DispatchCollector:
                 "jinfer_sample_dispatches",
                 "Dispatches sampling constrained rows under their allowed sets",
                 c.sample_dispatches,
+            ),
+            CounterMetricFamily(
+                "jinfer_verify_dispatches", "Decode dispatches verifying draft tokens", c.verify_dispatches
+            ),
+            CounterMetricFamily(
+                "jinfer_draft_tokens", "Draft tokens proposed to verify steps", c.draft_tokens
+            ),
+            CounterMetricFamily(
+                "jinfer_accepted_draft_tokens", "Draft tokens accepted by verify steps", c.accepted_tokens
             ),
         )
 

@@ -49,6 +49,7 @@ class Request:
     dropped_prompt_tokens: int = 0
     kv: SequencePages = dataclasses.field(default_factory=SequencePages)
     constraint: Constraint | None = None  # its output's grammar: one token per dispatch, known first
+    speculative: bool = False  # its decode rows may verify draft tokens (`jinfer.speculative`)
     slot: int | None = None
     # What a slot's prefill computes: the prompt, or after a preemption the prompt and the output
     # so far (`generated_before` tokens of it); `prefilled` of them are in the cache.
@@ -63,6 +64,12 @@ class Request:
     admissions: int = 0  # the scheduler's admission count when it last got a slot (latest: preempted first)
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     preemptions: int = 0
+    # Speculation so far: draft tokens proposed and accepted over its verify steps, and the
+    # running counts `jinfer.speculative.Speculation` predicts its next steps' acceptance from.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    draft_record: tuple[float, ...] | None = None  # None: no verify step yet
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
@@ -92,10 +99,17 @@ class Request:
         so far, then every token but the last one known (its K/V come with the next step)."""
         return max(self.prefilled, len(self.prompt_ids) + len(self.output_ids) - 1)
 
-    def capacity(self, steps: int) -> int:
+    def capacity(self, steps: int, drafts: int = 0) -> int:
         """Positions its pages must hold for a decode dispatch of `steps` steps: the device feeds
-        the last token sampled (perhaps still in flight) and writes `steps` positions from there."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight + steps - 1
+        the last token sampled (perhaps still in flight) and writes `steps` positions from there;
+        verifying `drafts` draft tokens a step, up to (drafts + 1) x as many, but never past the
+        positions its last possible token needs."""
+        known = len(self.prompt_ids) + len(self.output_ids)
+        if not drafts:
+            return known + self.in_flight + steps - 1
+        return min(
+            known + (self.in_flight + steps) * (drafts + 1) - 1, len(self.prompt_ids) + self.max_tokens
+        )
 
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
@@ -115,6 +129,9 @@ class Request:
             "inter_token_s": list(np.diff(self.token_times)) if n > 1 else [],
             "total_s": now - self.submitted_at,
             "decode_tokens_per_s": (n - 1) / decode_time if decode_time > 0 else None,
+            "draft_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
         }
 
 

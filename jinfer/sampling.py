@@ -69,6 +69,9 @@ class SamplingParams:
     ignore_eos: bool = setting(False, "keep generating past end-of-sequence tokens")
     min_tokens: int = setting(0, "tokens to generate before a stop token may end the output")
     logprobs: int | None = None  # number of top alternatives to report per token (0: chosen only)
+    speculative: bool | None = setting(
+        None, "false: never verify draft tokens for this request (the output is the same either way)"
+    )
     # Constrained output (at most one; `jinfer.structured`): JSON valid against a JSON schema (an
     # object, or its JSON text), text matching a regular expression (Rust regex syntax), or text
     # following a grammar (Lark, or llama.cpp's GBNF).
@@ -78,6 +81,13 @@ class SamplingParams:
 
     def __post_init__(self):
         _validate(self)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition, presence or frequency penalty applies (tokens so far matter)."""
+        return self.repetition_penalty not in (None, 1.0) or bool(
+            self.presence_penalty or self.frequency_penalty
+        )
 
     @property
     def resolved(self) -> bool:
@@ -126,6 +136,8 @@ def _validate(p: SamplingParams) -> None:
         integer("seed", p.seed, 0, SEED_LIMIT - 1)
     if p.logprobs is not None:
         integer("logprobs", p.logprobs, 0, 20)
+    if p.speculative is not None and not isinstance(p.speculative, bool):
+        raise RequestError(f"speculative must be true or false, got {_short(p.speculative)}", "speculative")
     if not isinstance(p.ignore_eos, bool):
         raise RequestError(f"ignore_eos must be true or false, got {_short(p.ignore_eos)}", "ignore_eos")
     if p.logit_bias is not None:
@@ -340,6 +352,12 @@ def choose(
     )
     if allowed is not None:
         processed = mask_disallowed(processed, allowed)
+    return pick(logits, processed, sampling, positions, want_logprobs)
+
+
+def pick(logits, processed, sampling, positions, want_logprobs):
+    """One token per row from `processed` logits [B, V] (`sample`), with what leaves the device
+    about it: whether the raw `logits` were all finite, and (when asked) their log-probs."""
     token = sample(processed, sampling, positions)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
 

@@ -76,9 +76,11 @@ class Scheduler:
         kv: KVPages,
         mixed_chunk_len: Callable[[int], int] | None = None,
         decode_steps: int = 1,
+        draft_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.decode_steps = decode_steps  # tokens a decode dispatch produces per slot
+        self.draft_tokens = draft_tokens  # draft tokens a verify step takes per speculative slot
         self.max_queue = max_queue
         self.chunk_len = chunk_len
         self.token_budget = token_budget
@@ -175,7 +177,7 @@ class Scheduler:
         for request in sorted((r for r in self.slots if r is not None), key=lambda r: r.admissions):
             if not request.wants_decode:
                 continue
-            capacity = request.capacity(self.decode_steps)
+            capacity = request.capacity(self.decode_steps, self._drafts(request))
             while request.slot is not None and not self.kv.grow(request.kv, request.slot, capacity):
                 self._preempt(max((r for r in self.slots if r is not None), key=lambda r: r.admissions))
 
@@ -192,11 +194,19 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(request)
 
+    def _drafts(self, request: Request) -> int:
+        """Draft tokens its decode steps may verify (0: it decodes one token a step)."""
+        return self.draft_tokens if request.speculative else 0
+
+    def _dispatch_positions(self, request: Request) -> int:
+        """Positions one decode dispatch may write for it."""
+        return self.decode_steps * (1 + self._drafts(request))
+
     def _reserve(self) -> int:
         """Pages kept free at admission for the running requests' next dispatch: admitting into
         them would only preempt the newcomer again."""
-        per_request = -(-self.decode_steps // self.kv.page_size)
-        return per_request * sum(r is not None and r.running for r in self.slots)
+        running = (r for r in self.slots if r is not None and r.running)
+        return sum(-(-self._dispatch_positions(r) // self.kv.page_size) for r in running)
 
     def _admit(self) -> Request | None:
         """The first waiting request, in the lowest free slot, if the pool holds its prefill and
@@ -207,7 +217,7 @@ class Scheduler:
         if request.in_flight:  # preempted with tokens in flight: resumes once they are committed
             return None
         prefill_ids = request.tokens()
-        capacity = len(prefill_ids) + self.decode_steps
+        capacity = len(prefill_ids) + self._dispatch_positions(request)
         hits = self.kv.cached_prefix(request.kv, prefill_ids)
         if self.kv.cost(hits, capacity) + self._reserve() > self.kv.pool.available:
             return None
@@ -253,8 +263,11 @@ class Scheduler:
         tokens: np.ndarray,
         bad: np.ndarray,
         logprobs: dict[str, np.ndarray] | None = None,
+        steps: int | None = None,
     ) -> Committed:
-        """Take device results: tokens and bad are [steps, rows]; rows[i] belongs to owners[i].
+        """Take device results: tokens and bad are [entries, rows]; rows[i] belongs to owners[i].
+        Each entry is one decode step's token, or with `steps` (a verify dispatch's decode steps)
+        one of its steps' positions, -1 where the step emitted no token there.
 
         Results for a request that finished meanwhile (the device ran ahead) are ignored.
         """
@@ -263,13 +276,16 @@ class Scheduler:
         for row, request in enumerate(owners):
             if request is None:
                 continue
-            taken = request.dispatch_tokens(len(tokens_by_row[row]))
+            taken = request.dispatch_tokens(steps or len(tokens_by_row[row]))
             request.in_flight -= taken
+            entries = len(tokens_by_row[row]) if steps else taken
             for step, (token, is_bad) in enumerate(
-                zip(tokens_by_row[row][:taken], bad_by_row[row][:taken], strict=True)
+                zip(tokens_by_row[row][:entries], bad_by_row[row][:entries], strict=True)
             ):
                 if request.finished:
                     break
+                if token < 0:  # a verify step's position that emitted nothing
+                    continue
                 entry = None
                 if logprobs is not None and request.sampling.logprobs is not None:
                     entry = _logprob_entry(logprobs, step, row, token, request.sampling.logprobs)

@@ -6,6 +6,11 @@ over the data axis) are derived from it. A prompt chunk crosses to the device as
 float32 array (`PackedChunk`): their fields, in order, are declared in `_INT_FIELDS` /
 `_FLOAT_FIELDS`, and both the host's packing (`pack_chunk`) and the device's unpacking
 (`PackedChunk.unpack`) take their offsets from that declaration.
+
+The transitions every decoding verb shares live here too: a decode over slots 0..rows-1 works on
+their rows (`rows_of`, `put_rows`), and `sample_rows` samples them and advances the sampled ones
+(token, position, counts, token history); `set_history` sets a slot's prompt mask, output counts
+and token history from the tokens the request really has.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
-from jinfer.sampling import SamplingArrays, SamplingParams
+from jinfer.sampling import SamplingArrays, SamplingParams, choose, nothing_chosen
 from jinfer.sharding import DATA
 
 
@@ -37,6 +42,7 @@ class SlotState:
     bias: jax.Array  # [S, V] float32: logit bias
     stop_mask: jax.Array  # [S, V] bool: eos + stop_token_ids
     logits: jax.Array  # [S, V] float32: a deferred decode row's logits, until `sample` takes them
+    history: jax.Array  # [S, L] int32: the token at each position (speculative drafts look there)
     sampling: SamplingArrays  # [S] knobs
 
 
@@ -61,6 +67,7 @@ STATE = SlotState(
     bias=StateSpec(("slots", "vocab"), jnp.float32, 0.0),
     stop_mask=StateSpec(("slots", "vocab"), jnp.bool_, False),
     logits=StateSpec(("slots", "vocab"), jnp.float32, 0.0),
+    history=StateSpec(("slots", "seq"), jnp.int32, 0),
     sampling=jax.tree.map(lambda a: StateSpec(("slots",), a.dtype, a[0]), _EMPTY_KNOBS),
 )
 
@@ -70,22 +77,55 @@ def _is_spec(x) -> bool:
 
 
 def state_shardings(mesh: Mesh) -> SlotState:
-    """Slots over the data axis; the vocabulary whole on every device."""
-    axis = {"slots": DATA, "vocab": None}
+    """Slots over the data axis; the vocabulary and positions whole on every device."""
+    axis = {"slots": DATA, "vocab": None, "seq": None}
     return jax.tree.map(
         lambda s: NamedSharding(mesh, PartitionSpec(*(axis[a] for a in s.axes))), STATE, is_leaf=_is_spec
     )
 
 
-def new_state(slots: int, vocab: int, shardings: SlotState) -> SlotState:
-    """Every slot empty, created directly with its sharding."""
-    size = {"slots": slots, "vocab": vocab}
+def new_state(slots: int, vocab: int, seq: int, shardings: SlotState) -> SlotState:
+    """Every slot empty (positions up to `seq`), created directly with its sharding."""
+    size = {"slots": slots, "vocab": vocab, "seq": seq}
 
     def make():
         fill = lambda s: jnp.full(tuple(size[a] for a in s.axes), s.empty, s.dtype)
         return jax.tree.map(fill, STATE, is_leaf=_is_spec)
 
     return jax.jit(make, out_shardings=shardings)()
+
+
+def rows_of(state: SlotState, rows: int) -> SlotState:
+    """Slots 0..rows-1 take part in a decode; the state of the others is left alone."""
+    return jax.tree.map(lambda a: a[:rows], state)
+
+
+def put_rows(full: SlotState, part: SlotState) -> SlotState:
+    return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
+
+
+def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs):
+    """Sample the state's rows from their logits [rows, V] (allowed [rows, W] or None) and advance
+    the `sampled` [rows] ones: their token becomes the next decode input. With none sampled (a
+    decode of deferred rows only) the passes over the vocabulary are skipped (`lax.cond`)."""
+    rows = sampled.shape[0]
+
+    knobs = (state.bias, state.stop_mask, state.generated < state.min_tokens, allowed, state.sampling)
+    chosen = lambda: choose(
+        logits, state.prompt_mask, state.counts, *knobs, state.positions + 1, want_logprobs
+    )
+    nothing = lambda: (jnp.zeros((rows,), jnp.int32), nothing_chosen(rows))
+    token, out = jax.lax.cond(jnp.any(sampled), chosen, nothing)
+    advance = sampled.astype(jnp.int32)
+    at = jnp.where(sampled, state.positions + 1, state.history.shape[1])  # unsampled: dropped
+    state = state.replace(
+        tokens=jnp.where(sampled, token, state.tokens),
+        positions=state.positions + advance,
+        generated=state.generated + advance,
+        counts=state.counts.at[jnp.arange(rows), token].add(advance),
+        history=state.history.at[jnp.arange(rows), at].set(token, mode="drop"),
+    )
+    return state, out
 
 
 # ------------------------------------------------------------------------------- prompt chunks
@@ -201,6 +241,23 @@ def pack_chunk(
     return PackedChunk(
         ints=np.concatenate([*packed_ints, np.asarray(tokens, np.int32)]),
         floats=np.concatenate(packed_floats),
+    )
+
+
+def set_history(state: SlotState, packed: jax.Array, *, vocab: int) -> SlotState:
+    """Set one slot's prompt mask, output counts and token history from its tokens: packed =
+    [slot, prompt length, length, tokens (padded)...] int32; tokens before the prompt length are
+    the prompt's, the rest up to length outputs."""
+    slot, prompt_len, length, tokens = packed[0], packed[1], packed[2], packed[3:]
+    index = jnp.arange(tokens.shape[0])
+    prompt_ids = jnp.where(index < prompt_len, tokens, vocab)
+    output_ids = jnp.where((index >= prompt_len) & (index < length), tokens, vocab)
+    mask = jnp.zeros((vocab,), bool).at[prompt_ids].set(True, mode="drop")
+    counts = jnp.zeros((vocab,), jnp.int32).at[output_ids].add(1, mode="drop")
+    return state.replace(
+        prompt_mask=state.prompt_mask.at[slot].set(mask),
+        counts=state.counts.at[slot].set(counts),
+        history=state.history.at[slot].set(tokens[: state.history.shape[1]]),
     )
 
 

@@ -24,6 +24,8 @@ host's block tables [slots, max_pages] (not donated: the host re-uploads them wh
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
+  verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted
+      Decode steps that each verify k draft tokens a row (`jinfer.speculative`).
 
 Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask and output-token
 counts (what the penalties read) from the tokens the request really has, whatever the prefix
@@ -34,8 +36,7 @@ One compiled decode per (rows, attn_len) bucket pair: `rows` (a slot-count bucke
 highest busy slot; the scheduler fills the lowest free slot first) keeps a lightly loaded engine
 from paying for every slot, and `attn_len` keeps attention to the filled part of the cache (with
 an attention kernel, which reads only each row's filled part itself, there is one `attn_len`).
-Log-probs are computed under `lax.cond` when some request asks for them, so they cost nothing
-otherwise and need no compiled variant of their own.
+Log-probs are computed under `lax.cond` when some request asks for them: no variant of their own.
 
 A constrained request's allowed tokens (`jinfer.structured`) follow from its token before, which
 the host reads one dispatch late; so its decode row is deferred, and a small verb samples it once
@@ -67,9 +68,19 @@ from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
-from jinfer.sampling import choose, nothing_chosen
+from jinfer.sampling import choose
 from jinfer.sharding import DATA, MODEL
-from jinfer.state import PackedChunk, PrefillChunk, SlotState, new_state
+from jinfer.speculative import verify
+from jinfer.state import (
+    PackedChunk,
+    PrefillChunk,
+    SlotState,
+    new_state,
+    put_rows,
+    rows_of,
+    sample_rows,
+    set_history,
+)
 from jinfer.state import state_shardings as slot_state_shardings
 from jinfer.structured import ALL_ALLOWED, mask_words
 
@@ -118,7 +129,15 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, allowe
         chunk.want_logprobs,
     )
     set_row = lambda array, value: array.at[slot].set(value)
+    # The chunk's tokens (and the token sampled after a prompt's last) where speculative drafts
+    # look them up; padding and an earlier chunk's discarded token are dropped.
+    offsets = jnp.arange(chunk.tokens.shape[1])
+    seq = state.history.shape[1]
+    at = jnp.where(offsets < chunk.length, chunk.start + offsets, seq)
+    history = state.history.at[slot, at].set(chunk.tokens[0], mode="drop")
+    history = history.at[slot, jnp.where(chunk.last, position, seq)].set(token[0], mode="drop")
     state = state.replace(
+        history=history,
         tokens=set_row(state.tokens, token[0]),
         positions=set_row(state.positions, position),
         generated=set_row(state.generated, chunk.generated + 1),
@@ -144,43 +163,6 @@ def _prefill(params, cache: KVCache, state: SlotState, tables, allowed, packed: 
     )  # [1, V]
     state, out = _start_slot(state, chunk, logits, allowed, vocab)
     return cache, state, out
-
-
-def _history(state: SlotState, packed: jax.Array, *, vocab):
-    """Set one slot's prompt mask and output counts from its tokens: packed = [slot, prompt length,
-    length, tokens (padded)...] int32; tokens before the prompt length are the prompt's, the rest
-    up to length outputs."""
-    slot, prompt_len, length, tokens = packed[0], packed[1], packed[2], packed[3:]
-    index = jnp.arange(tokens.shape[0])
-    prompt_ids = jnp.where(index < prompt_len, tokens, vocab)
-    output_ids = jnp.where((index >= prompt_len) & (index < length), tokens, vocab)
-    mask = jnp.zeros((vocab,), bool).at[prompt_ids].set(True, mode="drop")
-    counts = jnp.zeros((vocab,), jnp.int32).at[output_ids].add(1, mode="drop")
-    return state.replace(
-        prompt_mask=state.prompt_mask.at[slot].set(mask), counts=state.counts.at[slot].set(counts)
-    )
-
-
-def _sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs):
-    """Sample the state's rows from their logits [rows, V] (allowed [rows, W] or None) and advance
-    the `sampled` [rows] ones: their token becomes the next decode input. With none sampled (a
-    decode of deferred rows only) the passes over the vocabulary are skipped (`lax.cond`)."""
-    rows = sampled.shape[0]
-
-    knobs = (state.bias, state.stop_mask, state.generated < state.min_tokens, allowed, state.sampling)
-    rows_of = lambda: choose(
-        logits, state.prompt_mask, state.counts, *knobs, state.positions + 1, want_logprobs
-    )
-    nothing = lambda: (jnp.zeros((rows,), jnp.int32), nothing_chosen(rows))
-    token, out = jax.lax.cond(jnp.any(sampled), rows_of, nothing)
-    advance = sampled.astype(jnp.int32)
-    state = state.replace(
-        tokens=jnp.where(sampled, token, state.tokens),
-        positions=state.positions + advance,
-        generated=state.generated + advance,
-        counts=state.counts.at[jnp.arange(rows), token].add(advance),
-    )
-    return state, out
 
 
 def _decode_step(
@@ -217,17 +199,8 @@ def _decode_step(
         lambda: jnp.where(deferred[:, None], logits, state.logits),
         lambda: state.logits,
     )
-    state, out = _sample_rows(state.replace(logits=kept), logits, None, active & ~deferred, want_logprobs)
+    state, out = sample_rows(state.replace(logits=kept), logits, None, active & ~deferred, want_logprobs)
     return cache, state, out, chunk_logits
-
-
-def _rows(state: SlotState, rows: int) -> SlotState:
-    """Slots 0..rows-1 take part in a decode; the state of the others is left alone."""
-    return jax.tree.map(lambda a: a[:rows], state)
-
-
-def _put_rows(full: SlotState, part: SlotState) -> SlotState:
-    return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
 
 
 def _decode(params, cache, state, tables, row_steps, deferred, want_logprobs, *, steps, **step_options):
@@ -251,9 +224,9 @@ def _decode(params, cache, state, tables, row_steps, deferred, want_logprobs, *,
         )
         return (cache, rows_state), out
 
-    carry = (cache, _rows(state, rows))
+    carry = (cache, rows_of(state, rows))
     (cache, rows_state), outs = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
-    return cache, _put_rows(state, rows_state), outs
+    return cache, put_rows(state, rows_state), outs
 
 
 def _mixed(
@@ -278,7 +251,7 @@ def _mixed(
     cache, rows_state, out, chunk_logits = _decode_step(
         params,
         cache,
-        _rows(state, rows),
+        rows_of(state, rows),
         tables,
         row_steps > 0,
         deferred,
@@ -287,7 +260,7 @@ def _mixed(
         vocab=vocab,
         **step_options,
     )
-    state = _put_rows(state, rows_state)
+    state = put_rows(state, rows_state)
     state, chunk_out = _start_slot(
         state, chunk, chunk_logits, allowed, vocab
     )  # after the decode rows' update
@@ -298,11 +271,13 @@ def _sample(state: SlotState, allowed, deferred, want_logprobs):
     """Sample the deferred slots among 0..rows-1 under their allowed-token bitmasks: the state and
     the output [1, rows]."""
     rows = deferred.shape[0]
-    part = _rows(state, rows)
-    part, out = _sample_rows(part, part.logits, allowed[:rows], deferred, want_logprobs)
+    part = rows_of(state, rows)
+    part, out = sample_rows(part, part.logits, allowed[:rows], deferred, want_logprobs)
     # Only the fields sampling changes are written back: on a CPU each is a pass of its own.
     put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(state, name), getattr(part, name), 0, 0)
-    state = state.replace(**{name: put(name) for name in ("tokens", "positions", "generated", "counts")})
+    state = state.replace(
+        **{name: put(name) for name in ("tokens", "positions", "generated", "counts", "history")}
+    )
     return state, jax.tree.map(lambda x: x[None], out)
 
 
@@ -322,6 +297,7 @@ class Steps:
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
+    verify: dict[tuple[int, int, int], callable]  # (rows, attn_len, k): `layout.verify_variants`
     sample: callable  # (state, allowed, deferred [rows], want_logprobs) -> state, out: deferred rows
     history: callable  # (state, [slot, prompt length, length, tokens...]) -> state
     clear_pages: callable  # (cache, pages [max_pages]) -> cache
@@ -337,7 +313,7 @@ class Steps:
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        decodes = dict.fromkeys((*self.decode.values(), *self.mixed.values()))
+        decodes = dict.fromkeys((*self.decode.values(), *self.mixed.values(), *self.verify.values()))
         verbs = (self.prefill, *decodes, self.sample, self.history, self.clear_pages)
         return sum(f._cache_size() for f in verbs)
 
@@ -346,7 +322,9 @@ class Steps:
         return init_cache(self.model, layout.num_pages, layout.page_size, dtype, self.cache_sharding)
 
     def new_state(self) -> SlotState:
-        return new_state(self.layout.max_slots, self.vocab_size, self.state_shardings)
+        return new_state(
+            self.layout.max_slots, self.vocab_size, self.layout.max_seq_len, self.state_shardings
+        )
 
     def put_tables(self, tables) -> jax.Array:
         """The host's block tables [slots, max_pages] on the device."""
@@ -370,35 +348,41 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
     kernel = layout.attention_kernel
     carried = (cache_shardings, state_shardings)
 
-    def jit_decode(attn_len, mixed):
+    def jit_decode(attn_len, kind, k=0):
+        """kind: "decode" | "mixed" (a prompt chunk rides along) | "verify" (k draft tokens a row,
+        `jinfer.speculative`)."""
         options = {"attn_len": attn_len, "attention_kernel": kernel, **common}
-        if mixed:
-            fn = partial(_mixed, **options)
-        else:
-            fn = partial(_decode, steps=dispatch_steps(layout.decode_steps, mixed=False), **options)
-        chunk = (replicated,) if mixed else ()
-        allowed = (by_slot,) if mixed else ()  # the chunk's first token; decode rows are deferred
+        steps = dispatch_steps(layout.decode_steps, mixed=kind == "mixed")
+        fn = {
+            "decode": partial(_decode, steps=steps, **options),
+            "mixed": partial(_mixed, **options),
+            "verify": partial(verify, steps=steps, k=k, source=layout.speculative, **options),
+        }[kind]
+        # Host values enter replicated: several processes may pass numpy arrays to jit only so.
+        # decode: row_steps, deferred, want_logprobs; mixed: + allowed (the chunk's first token;
+        # decode rows are deferred) before them and the chunk after; verify: + drafting rows.
+        host = {"decode": 3, "mixed": 3, "verify": 4}[kind]
+        allowed, chunk = ((by_slot,), (replicated,)) if kind == "mixed" else ((), ())
+        extra_out = (replicated,) if kind != "decode" else ()  # the chunk's output, or drafts proposed
         return jax.jit(
             fn,
-            in_shardings=(
-                param_shardings,
-                *carried,
-                replicated,
-                *allowed,
-                replicated,  # row_steps and deferred: numpy arrays, which several processes
-                replicated,  # may pass to jit only as replicated values
-                replicated,
-                *chunk,
-            ),
-            out_shardings=(*carried, replicated, *chunk),
+            in_shardings=(param_shardings, *carried, replicated, *allowed, *(replicated,) * host, *chunk),
+            out_shardings=(*carried, replicated, *extra_out),
             donate_argnums=(1, 2),
         )
 
-    def by_bucket_pair(mixed):
+    def by_bucket_pair(kind):
         # One jitted function per attention bucket serves every slot bucket (the active mask's
         # length); the dict names each compiled pair so the engine and warm-up agree on them.
-        by_len = {n: jit_decode(n, mixed) for n in layout.attention_buckets}
+        by_len = {n: jit_decode(n, kind) for n in layout.attention_buckets}
         return {(rows, n): by_len[n] for n in layout.attention_buckets for rows in layout.slot_buckets}
+
+    def verify_variants():
+        # One jitted function per (attention bucket, draft length) serves every slot bucket.
+        lengths = sorted({k for _, k in layout.verify_variants})
+        by_len = {(n, k): jit_decode(n, "verify", k) for n in layout.attention_buckets for k in lengths}
+        pairs = [(n, rows, k) for n in layout.attention_buckets for rows, k in layout.verify_variants]
+        return {(rows, n, k): by_len[n, k] for n, rows, k in pairs}
 
     return Steps(
         model=model,
@@ -411,8 +395,9 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
             out_shardings=(*carried, replicated),
             donate_argnums=(1, 2),
         ),
-        decode=by_bucket_pair(mixed=False),
-        mixed=by_bucket_pair(mixed=True) if layout.mixed_prefill_tokens else {},
+        decode=by_bucket_pair("decode"),
+        mixed=by_bucket_pair("mixed") if layout.mixed_prefill_tokens else {},
+        verify=verify_variants(),
         sample=jax.jit(
             _sample,
             in_shardings=(state_shardings, by_slot, replicated, replicated),
@@ -420,7 +405,7 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
             donate_argnums=0,
         ),
         history=jax.jit(
-            partial(_history, vocab=vocab_size),
+            partial(set_history, vocab=vocab_size),
             in_shardings=(state_shardings, replicated),
             out_shardings=state_shardings,
             donate_argnums=0,

@@ -11,7 +11,10 @@ directly on the device (no files), then times jinfer's own compiled steps:
     bandwidth, and MFU = the step's matrix FLOPs / step time / the matmul rate;
   * prefill: one `--prefill-tokens` prompt chunk; MFU as above;
   * mixed prefill: at the most slots, one decode step alone, carrying a prompt chunk of
-    `--mixed-tokens`, and that chunk as a prefill dispatch of its own.
+    `--mixed-tokens`, and that chunk as a prefill dispatch of its own;
+  * speculative decoding at batch 1: verify steps of 1, 2 and 4 draft tokens against a decode
+    step, and the speed-up that implies at draft acceptance rates 0.5 / 0.7 / 0.9 (random weights
+    make no text worth drafting from, so the rate is assumed, the cost measured).
 Bandwidth (1 GiB reductions and matrix-vector products) and the matmul rate (8192^3 in the
 model's dtype) are measured in the same run. The peer, transformers `generate()` (greedy, eager,
 the same shape and dtype, its own random weights), runs first in a child process, so that JAX
@@ -196,6 +199,44 @@ def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> 
     return {"slots": slots, "chunk_tokens": size, **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
 
 
+def bench_speculative(cfg, base, mesh, shardings, params, dtype, args) -> dict:
+    """Batch 1: a decode step against verify steps of 1, 2 and 4 draft tokens (every draft
+    proposed; per step), and the batch-1 speed-up that implies at draft acceptance rates a (each
+    draft token accepted with chance a given the ones before): (1 + a + ... + a^k) / cost."""
+    engine = layout_of(dataclasses.replace(base, max_slots=1, speculative="ngram", num_draft_tokens=4), cfg)
+    steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
+    bucket = steps.attention_bucket(args.context + args.calls * engine.decode_steps * 5 + 1)
+    row_steps, tables = jnp.full((1,), engine.decode_steps, jnp.int32), tables_of(steps)
+    no, yes = jnp.zeros((1,), bool), jnp.ones((1,), bool)
+    progress("speculative: batch-1 decode against verify steps of 1, 2, 4 draft tokens")
+
+    def decode(carried):
+        cache, state, out = steps.decode[1, bucket](params, *carried, tables, row_steps, no, False)
+        return (cache, state), out
+
+    def verify(k):
+        def call(carried):
+            cache, state, out, _ = steps.verify[1, bucket, k](
+                params, *carried, tables, row_steps, yes, no, False
+            )
+            return (cache, state), out
+
+        return call
+
+    calls = max(args.calls // 5, 1)
+    plain = best_time(decode, busy_state(steps, dtype, args.context), calls)
+    cost = {
+        k: best_time(verify(k), busy_state(steps, dtype, args.context), calls) / plain
+        for _, k in engine.verify_variants
+    }
+    implied = {a: max(sum(a**i for i in range(k + 1)) / c for k, c in cost.items()) for a in (0.5, 0.7, 0.9)}
+    return {
+        "decode_step_ms": plain / engine.decode_steps * 1e3,
+        "verify_cost": cost,
+        "implied_speedup": implied,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -239,7 +280,7 @@ def main() -> int:
     weights = decode_weight_bytes(params)
     layers, output = matrix_params(params)
     per_position = bytes_per_token(cfg, dtype)  # K and V of one position
-    rows, prefill, mixed = [], None, None
+    rows, prefill, mixed, speculative = [], None, None, None
     for slots in slot_counts:
         base = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
         variants = {"einsum": dataclasses.replace(base, decode_kernel=False)}
@@ -281,6 +322,8 @@ def main() -> int:
             )
         if slots == max(slot_counts) and args.mixed_tokens:
             mixed = bench_mixed(cfg, base, mesh, shardings, params, dtype, slots, args)
+        if slots == 1:
+            speculative = bench_speculative(cfg, base, mesh, shardings, params, dtype, args)
     table = markdown_table(
         [
             "slots",
@@ -316,6 +359,13 @@ def main() -> int:
             f"({mixed['mixed_ms'] / mixed['decode_ms']:.2f}x); the chunk as its own prefill dispatch "
             f"{mixed['prefill_ms']:.2f} ms."
         )
+    if speculative:
+        costs = ", ".join(f"{k} drafts {c:.2f}x" for k, c in speculative["verify_cost"].items())
+        implied = ", ".join(f"a={a}: {r:.2f}x" for a, r in speculative["implied_speedup"].items())
+        table += (
+            f"\n\nSpeculative decoding at batch 1: a decode step {speculative['decode_step_ms']:.2f} ms; "
+            f"a verify step costs {costs} of it; batch-1 speed-up implied at draft acceptance a: {implied}."
+        )
     table += (
         f"\n\nPrefill of {prefill['tokens']} tokens: {prefill['ms']:.1f} ms, "
         f"{prefill['tokens_per_s']:.0f} tokens/s, MFU {prefill['mfu']:.2f}.\n\n"
@@ -331,6 +381,7 @@ def main() -> int:
         "rows": rows,
         "prefill": prefill,
         "mixed": mixed,
+        "speculative": speculative,
     }
     write_results(args.out, "bench_gpu", result, table)
     return 0

@@ -181,6 +181,7 @@ _SAMPLING_FIELDS = (
     "ignore_eos",
     "min_tokens",
     "stop_token_ids",
+    "speculative",
 )
 
 
@@ -227,7 +228,7 @@ _COMMON_FIELDS = {
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "response_format",
     # jinfer's own
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "regex",
-    "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt",
+    "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt", "speculative",
 }  # fmt: skip
 _FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},

@@ -102,7 +102,8 @@ def timings(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     """jinfer's extra per-request timings (not part of OpenAI's schema)."""
     if not metrics:
         return None
-    return {k: metrics.get(k) for k in ("queue_s", "ttft_s", "total_s", "decode_tokens_per_s")}
+    names = ("queue_s", "ttft_s", "total_s", "decode_tokens_per_s", "draft_tokens", "accepted_tokens")
+    return {k: metrics.get(k) for k in (*names, "verify_steps")}
 
 
 # SSE splits lines only at CR and LF, but clients that split with str.splitlines (httpx's

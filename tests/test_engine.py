@@ -483,4 +483,7 @@ def test_dispatch_counts_say_how_full_the_batches_ran(llm):
         "decode_active_row_steps": 2 * 2 * steps,
         "decode_idle_row_steps": (rows - 2) * 2 * steps,
         "sample_dispatches": 0,  # only constrained rows are sampled on their own
+        "verify_dispatches": 0,  # speculation is off
+        "draft_tokens": 0,
+        "accepted_tokens": 0,
     }

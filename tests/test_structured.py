@@ -208,7 +208,9 @@ def test_each_constrained_token_is_sampled_while_the_next_decode_is_already_queu
         monkeypatch.setitem(engine.steps.decode, key, recording("decode", real, 2))
     commit = engine._commit
     monkeypatch.setattr(
-        engine, "_commit", lambda owners, out: (log.append(("read", out)), commit(owners, out))
+        engine,
+        "_commit",
+        lambda owners, out, verified: (log.append(("read", out)), commit(owners, out, verified)),
     )
     samples_before = engine.dispatch_counts.sample_dispatches
     tokens = 30

@@ -1,0 +1,180 @@
+"""What n-gram speculative decoding gives: tokens/s with `speculative="ngram"` against the same
+engine without it, measured in one run, alternating, on the embedded SmolLM2 as held (Q4_1
+matrices: the quantized kernel) and dequantized to float32 (the packed float kernel).
+
+Workloads, greedy:
+  * edit: requests whose answer repeats their input (fix the spelling of a paragraph, add a line
+    to a function): drafts looked up in the prompt are accepted often;
+  * chat: free-form questions, where drafts are rarely right: the adaptive rule must keep the
+    engine at the speed it has without speculation.
+Batch 1 (one request at a time: decode tokens/s, from the first token to the last) and 8 / 32
+concurrent requests (half edits, half chats: completion tokens / wall time). Every pair of runs
+must give identical texts. Reported per row: tokens/s off and on, their ratio (median over rounds
+of the paired ratios, lowest and highest), draft tokens accepted / proposed, tokens per verify
+step, and the share of decode dispatches that verified. The engines' verify cost table (a verify
+step's time over a decode step's, measured at warm-up) is printed per model.
+
+    python scripts/bench_speculative.py [--rounds 3] [--tokens 128] [--slots 1,8,32] [--out results]
+
+Writes results/bench_speculative.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from benchlib import markdown_table, paired_ratio, progress, write_results
+
+import jinfer
+
+PARAGRAPH = (
+    "Photosynthesis is the process by which green plants, algae and some bacteria turn light into "
+    "chemical energy. Inside the chloroplasts, chlorophyll absorbs sunlight, and the energy splits "
+    "water into oxygen, protons and electrons. The electrons travel along a transport chain that "
+    "makes ATP and NADPH, which the Calvin cycle then uses to fix carbon dioxide into sugars."
+)
+CODE = '''def moving_average(values, window):
+    """Return the moving averages of values over a sliding window."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            averages.append(total / window)
+    return averages
+'''
+MISSPELT = PARAGRAPH.replace("process", "proccess").replace("energy", "enrgy").replace("which", "wich")
+EDITS = [
+    "Fix the spelling mistakes in this text and return the corrected text only:\n\n" + MISSPELT,
+    "Add the line 'Raises ValueError for a non-positive window.' to the docstring of this function "
+    "and return the full function:\n\n" + CODE,
+]
+CHATS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle stays upright.",
+    "Give me ideas for a rainy weekend.",
+    "Why is the sky blue?",
+]
+
+
+def conversations(kind: str, count: int) -> list[list[dict]]:
+    mixed = [text for pair in zip(EDITS * 2, CHATS, strict=True) for text in pair]
+    texts = {"edit": EDITS, "chat": CHATS, "mixed": mixed}[kind]
+    return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(count)]
+
+
+def run(llm, kind: str, count: int, tokens: int) -> tuple[float, list]:
+    """Tokens/s of one workload (batch 1: the decode rate of each request in turn, summed time;
+    several: all at once, completion tokens over wall time) and its completions."""
+    sampling = jinfer.SamplingParams(max_tokens=tokens, temperature=0)
+    if count == 1:
+        outs = [llm.chat([chat], sampling)[0] for chat in conversations(kind, len(EDITS))]
+        decoding = sum(len(c.token_ids) - 1 for c in outs)
+        seconds = sum((len(c.token_ids) - 1) / c.metrics["decode_tokens_per_s"] for c in outs)
+        return decoding / seconds, outs
+    start = time.perf_counter()
+    outs = llm.chat(conversations(kind, count), [sampling] * count)
+    return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - start), outs
+
+
+def acceptance(outs) -> dict[str, float]:
+    drafted = sum(c.metrics["draft_tokens"] for c in outs)
+    accepted = sum(c.metrics["accepted_tokens"] for c in outs)
+    steps = sum(c.metrics["verify_steps"] for c in outs)
+    return {
+        "accepted_over_drafted": accepted / drafted if drafted else None,
+        "tokens_per_verify_step": (accepted + steps) / steps if steps else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--slots", default="1,8,32")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+    slot_counts = [int(s) for s in args.slots.split(",")]
+    workloads = [(kind, 1) for kind in ("edit", "chat") if 1 in slot_counts]
+    workloads += [("mixed", n) for n in slot_counts if n > 1]
+    rows, costs = [], {}
+    for weights, options in (("q4_1", {}), ("float32", {"quantization": "none"})):
+        engines = {}
+        for mode in ("off", "ngram"):
+            llm = jinfer.LLM(max_slots=max(slot_counts), max_seq_len=1024, speculative=mode, **options)
+            progress(f"{weights} {mode}: {llm.engine.layout.describe()}; warm-up {llm.engine.warmup():.0f} s")
+            engines[mode] = llm
+        spec = engines["ngram"].engine
+        costs[weights] = {f"{r}x{k}": round(c, 3) for (r, k), c in spec.speculation.cost.items()}
+        progress(f"{weights} verify cost over decode (slots x drafts): {costs[weights]}")
+        compiled = {mode: llm.engine.compile_count() for mode, llm in engines.items()}
+        for kind, count in workloads:
+            rates = {"off": [], "ngram": []}
+            identical, outs_on = True, []
+            dispatches_before = (
+                spec.dispatch_counts.decode_dispatches,
+                spec.dispatch_counts.verify_dispatches,
+            )
+            for round_index in range(args.rounds):
+                order = ("off", "ngram") if round_index % 2 == 0 else ("ngram", "off")
+                outs = {}
+                for mode in order:
+                    rate, outs[mode] = run(engines[mode], kind, count, args.tokens)
+                    rates[mode].append(rate)
+                identical &= [c.text for c in outs["off"]] == [c.text for c in outs["ngram"]]
+                outs_on += outs["ngram"]
+            decodes = spec.dispatch_counts.decode_dispatches - dispatches_before[0]
+            verifies = spec.dispatch_counts.verify_dispatches - dispatches_before[1]
+            off, on = np.array(rates["off"]), np.array(rates["ngram"])
+            row = {
+                "weights": weights,
+                "workload": kind,
+                "requests": count,
+                "off_tokens_per_s": float(np.median(off)),
+                "on_tokens_per_s": float(np.median(on)),
+                "on_over_off": paired_ratio(on, off),
+                "identical_text": identical,
+                "verify_share": verifies / decodes if decodes else 0.0,
+                **acceptance(outs_on),
+            }
+            rows.append(row)
+            progress(f"  {row}")
+        if any(llm.engine.compile_count() != compiled[mode] for mode, llm in engines.items()):
+            raise RuntimeError("an engine compiled during the measured rounds")
+        del engines, spec
+    result = {"rows": rows, "verify_cost": costs, "rounds": args.rounds, "tokens": args.tokens}
+    columns = ["weights", "workload", "requests", "off tok/s", "ngram tok/s", "ngram / off (lowest-highest)"]
+    columns += ["same text", "accepted / drafted", "tokens per verify step", "verify share"]
+    table = [
+        [
+            r["weights"],
+            r["workload"],
+            r["requests"],
+            r["off_tokens_per_s"],
+            r["on_tokens_per_s"],
+            "{median:.2f}x ({lowest:.2f}-{highest:.2f})".format(**r["on_over_off"]),
+            "yes" if r["identical_text"] else "NO",
+            r["accepted_over_drafted"],
+            r["tokens_per_verify_step"],
+            r["verify_share"],
+        ]
+        for r in rows
+    ]
+    header = (
+        f"SmolLM2-135M-Instruct, greedy, {args.tokens} tokens a request, {args.rounds} alternating rounds; "
+        f"verify cost over decode per slots x drafts: {costs}\n\n"
+    )
+    write_results(args.out, "bench_speculative", result, header + markdown_table(columns, table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,269 @@
+"""Speculative decoding (`jinfer.speculative`): the same tokens as decoding one at a time, greedy
+and seeded, alone and in any crowd; sampled rows keep the model's distribution; stops, max_tokens
+and cancellation stay exact when several tokens land in one step; no compiles after warm-up."""
+
+import math
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+from test_server import AUTH, KEY, running_server
+from tiny import VOCAB
+
+import jinfer
+from jinfer.speculative import PRIOR_RECORD, Speculation, ngram_drafts
+
+GREEDY = jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SEEDED = jinfer.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+OPTIONS = {"max_slots": 4, "max_seq_len": 128, "prefill_buckets": (16, 32), "num_draft_tokens": 3}
+
+
+def _prompt(seed, length, alphabet=VOCAB):
+    return np.random.RandomState(seed).randint(3, alphabet, length).tolist()
+
+
+def _repeating(seed, length):
+    """A prompt that repeats itself (drafts find matches in it)."""
+    motif = _prompt(seed, 7)
+    return (motif * (length // 7 + 1))[:length]
+
+
+def _cotenant(seed):
+    rng = np.random.RandomState(seed)
+    sampling = jinfer.SamplingParams(
+        max_tokens=int(rng.randint(4, 24)),
+        temperature=float(rng.choice([0.0, 0.7, 1.3])),
+        top_k=int(rng.choice([0, 5])),
+        presence_penalty=float(rng.choice([0.0, 0.5])),
+        logprobs=int(rng.choice([0, 3])) if rng.rand() < 0.5 else None,
+        seed=seed,
+        ignore_eos=True,
+    )
+    prompt = _repeating(seed + 1000, int(rng.randint(5, 40))) if seed % 2 else _prompt(seed, 20)
+    return prompt, sampling
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    """The same tiny model without and with n-gram speculation."""
+    path = tiny_model("llama_gqa_untied")[0]
+    return jinfer.LLM(path, **OPTIONS), jinfer.LLM(path, speculative="ngram", **OPTIONS)
+
+
+def test_drafts_follow_the_latest_longest_earlier_match():
+    history = np.zeros((4, 16), np.int32)
+    history[0, :9] = [5, 6, 7, 8, 1, 5, 6, 7, 9]  # tail 6 7 9: no 3- or 2-gram match; 1-gram 9: none
+    history[1, :9] = [5, 6, 7, 8, 2, 6, 7, 5, 6]  # tail 7 5 6 -> none; 5 6 at 0 -> 7 8 2 6
+    history[2, :8] = [1, 2, 3, 4, 1, 2, 3, 1]  # 1-gram 1: latest at 4 -> 2 3 1 (then unknown)
+    history[3, :6] = [9, 8, 9, 8, 9, 8]  # 9 8 at 2 (latest earlier) -> 9 8, then unknown
+    positions = np.array([8, 8, 7, 5])  # the last token's position
+    drafts, real = (np.asarray(a) for a in jax.jit(ngram_drafts, static_argnums=2)(history, positions, 4))
+    assert not real[0].any()
+    assert drafts[1].tolist() == [7, 8, 2, 6] and real[1].all()
+    assert drafts[2, :3].tolist() == [2, 3, 1] and real[2].tolist() == [True, True, True, False]
+    assert drafts[3, :2].tolist() == [9, 8] and real[3].tolist() == [True, True, False, False]
+
+
+def test_the_policy_verifies_where_expected_tokens_outgrow_the_cost():
+    """Host-side policy on stand-in requests: long drafts for a row that accepts them, plain
+    decoding for one that does not until its record drifts back toward the prior, never verifying
+    where even the prior could not pay, and nothing for rows that may not draft."""
+    from types import SimpleNamespace as Row
+
+    policy = Speculation(((1, 1), (1, 2), (1, 4), (16, 1)))
+    policy.cost = {(1, 1): 1.3, (1, 2): 1.6, (1, 4): 2.1, (16, 1): 1.9}
+    copying = Row(speculative=True, draft_record=(40.0, 1.0, 5.0, 0.0))
+    k, drafting = policy.choose(1, [copying], steps=4)
+    assert k == 4 and drafting.tolist() == [True]
+    drifting = Row(speculative=True, draft_record=(0.0, 5.0, 5.0, 0.0))
+    plain = 0
+    while policy.choose(1, [drifting], steps=4) is None:
+        plain += 1
+        assert plain < 50
+    assert plain >= 3 and drifting.draft_record != (0.0, 5.0, 5.0, 0.0)
+    crowd = [Row(speculative=True, draft_record=None) for _ in range(8)] + [None] * 8
+    assert all(policy.choose(16, crowd, steps=4) is None for _ in range(100))
+    assert crowd[0].draft_record == pytest.approx(PRIOR_RECORD)
+    assert policy.choose(1, [Row(speculative=False, draft_record=None)], steps=4) is None
+
+
+def test_layout_compiles_draft_lengths_within_the_kernels_columns(tiny_model):
+    from jinfer.layout import SPECULATIVE_COLUMNS
+
+    path = tiny_model("llama_gqa_untied")[0]
+    llm = jinfer.LLM(path, max_slots=8, max_seq_len=64, speculative="ngram", num_draft_tokens=5)
+    variants = llm.engine.layout.verify_variants
+    assert variants == ((1, 1), (1, 2), (1, 4), (1, 5), (4, 1), (4, 2), (4, 4), (4, 5), (8, 1), (8, 2))
+    assert all(rows * (k + 1) <= SPECULATIVE_COLUMNS for rows, k in variants)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_same_tokens_with_speculation_in_every_slot(pair, sampling):
+    off, on = pair
+    target = _repeating(7, 30)
+    (alone,) = off.generate([target], sampling)
+    counts = on.engine.dispatch_counts
+    before = counts.accepted_tokens
+    (spec_alone,) = on.generate([target], sampling)
+    assert spec_alone.token_ids == alone.token_ids
+    for slot in range(4):
+        neighbours = [_cotenant(10 * slot + i) for i in range(6)]
+        prompts, samplings = [p for p, _ in neighbours], [s for _, s in neighbours]
+        prompts.insert(slot, target)
+        samplings.insert(slot, sampling)
+        plain, speculative = off.generate(prompts, samplings), on.generate(prompts, samplings)
+        assert speculative[slot].token_ids == alone.token_ids, slot
+        assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+        assert [r.logprobs for r in speculative] == [r.logprobs for r in plain]
+    assert counts.verify_dispatches > 0 and counts.accepted_tokens > before  # several tokens a step
+
+
+def _chi2_sf(x: float, dof: int) -> float:
+    """P(X >= x) for X chi-square with dof degrees of freedom (Wilson-Hilferty)."""
+    z = ((x / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampled_tokens_keep_the_models_distribution(pair):
+    """Three tokens (a bias leaves them all but alone) make drafts found and accepted often; the
+    third output token, often emitted by a verify step's later position, follows the model's own
+    probabilities given the two before (chi-square over every context), and each seed gives what
+    it gives without speculation."""
+    off, on = pair
+    choices = (3, 4, 5)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    sampling = lambda seed: jinfer.SamplingParams(
+        max_tokens=3, temperature=0.8, seed=seed, logit_bias=dict.fromkeys(choices, 100.0), ignore_eos=True
+    )
+    seeds = range(480)
+    spec = on.generate([prompt] * len(seeds), [sampling(s) for s in seeds])
+    plain = off.generate([prompt] * len(seeds), [sampling(s) for s in seeds])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.metrics["accepted_tokens"] for r in spec) > len(seeds) // 4
+    by_context = {}
+    for r in spec:
+        by_context.setdefault(tuple(r.token_ids[:2]), []).append(r.token_ids[2])
+    chi2, dof = 0.0, 0
+    for context, thirds in by_context.items():
+        logprobs = [on.score([prompt + list(context) + [c]])[0][-1] for c in choices]
+        weights = np.exp((np.array(logprobs) - max(logprobs)) / 0.8)
+        expected = len(thirds) * weights / weights.sum()
+        observed = np.array([thirds.count(c) for c in choices])
+        chi2 += float(((observed - expected) ** 2 / expected).sum())
+        dof += len(choices) - 1
+    assert _chi2_sf(chi2, dof) > 1e-3, (chi2, dof)
+
+
+def test_stops_and_max_tokens_exact_when_several_tokens_land_in_a_step(pair):
+    """A stop token, a stop string and max_tokens landing inside a verify step's accepted run end
+    the output where decoding one token at a time ends it: never a token past them."""
+    off, on = pair
+    prompt = _repeating(3, 30)
+    (free,) = off.generate([prompt], GREEDY)
+    ids = free.token_ids
+    cases = [jinfer.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 5, 7, 11)] + [
+        jinfer.SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[ids[9]]),
+        jinfer.SamplingParams(max_tokens=24, temperature=0, stop=[free.text[12:15]], ignore_eos=True),
+        jinfer.SamplingParams(max_tokens=24, temperature=0, min_tokens=10, stop_token_ids=[ids[3]]),
+    ]
+    for sampling in cases:
+        (want,), (got,) = off.generate([prompt], sampling), on.generate([prompt], sampling)
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        if sampling.max_tokens < 24:
+            assert len(got.token_ids) == sampling.max_tokens
+    assert on.engine.dispatch_counts.accepted_tokens > 0
+
+
+def test_cancel_frees_the_slot_and_sends_nothing_more(pair):
+    _, on = pair
+    engine = on.engine
+    events = []
+    prepared = engine.preparer.prepare(
+        _repeating(5, 20), sampling=jinfer.SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    )
+    request = engine.submit(prepared, events.append)
+    for _ in range(3):
+        engine.step()
+    assert request.slot is not None
+    engine.cancel(request.request_id)
+    sent = sum(len(e.token_ids) for e in events)
+    engine.run_until_idle()
+    assert events[-1].finish_reason == "abort" and sum(len(e.token_ids) for e in events) == sent
+    assert all(slot is None for slot in engine.scheduler.slots)
+
+
+def test_no_compiles_after_warmup_and_penalised_or_opted_out_requests_decode_plainly(tiny_model):
+    llm = jinfer.LLM(
+        tiny_model("qwen2_bias_tied")[0], speculative="ngram", kv_cache_tokens=256, page_size=16, **OPTIONS
+    )
+    llm.engine.warmup()
+    assert set(llm.engine.speculation.cost) == set(llm.engine.layout.verify_variants)
+    before = llm.engine.compile_count()
+    prompts, samplings = zip(*[_cotenant(s) for s in range(14)], strict=True)
+    samplings = list(samplings)
+    samplings[0] = jinfer.SamplingParams(max_tokens=30, temperature=0, speculative=False, ignore_eos=True)
+    samplings[1] = jinfer.SamplingParams(
+        max_tokens=30, temperature=0, repetition_penalty=1.2, ignore_eos=True
+    )
+    results = llm.generate([_repeating(1, 30), _repeating(1, 30), *prompts[2:]], samplings)
+    assert all(r.finish_reason == "length" for r in results)
+    assert results[0].metrics["verify_steps"] == results[1].metrics["verify_steps"] == 0
+    assert llm.engine.dispatch_counts.verify_dispatches > 0
+    assert llm.engine.compile_count() == before
+
+
+def test_smollm2_same_text_with_speculation_beside_cotenants(smollm2_llm):
+    """The embedded model on an edit of its input (where drafts are accepted), alone and in each
+    slot beside others, gives the text it gives without speculation."""
+    on = jinfer.LLM(max_slots=4, max_seq_len=512, speculative="ngram")
+    code = "def area(width, height):\n    return width * height\n\n\nprint(area(3, 4))\n"
+    edit = [
+        {
+            "role": "user",
+            "content": "Rename the function area to rectangle_area and show the code:\n\n" + code,
+        }
+    ]
+    others = [
+        [{"role": "user", "content": "Name three rivers."}],
+        [{"role": "user", "content": "What is 12 times 12?"}],
+        [{"role": "user", "content": "Say hello in French."}],
+    ]
+    greedy = jinfer.SamplingParams(max_tokens=48, temperature=0)
+    mixed = [jinfer.SamplingParams(max_tokens=30, temperature=0.7, seed=i) for i in range(3)]
+    (want,) = smollm2_llm.chat([edit], greedy)
+    assert on.chat([edit], greedy)[0].token_ids == want.token_ids
+    for slot in (0, 3):
+        chats = [*others[:slot], edit, *others[slot:]]
+        samplings = [*mixed[:slot], greedy, *mixed[slot:]]
+        got = on.chat(chats, samplings)
+        assert got[slot].token_ids == want.token_ids, slot
+        assert [r.token_ids for r in got] == [r.token_ids for r in smollm2_llm.chat(chats, samplings)]
+    assert on.engine.dispatch_counts.accepted_tokens > 0
+
+
+def test_server_speculates_unless_a_request_opts_out(tiny_model):
+    """`jinfer serve --speculative ngram`: the same text with and without the request's opt-out,
+    the drafts in the jinfer timings and the metrics; a non-boolean opt-out is a 400."""
+    options = ["--api-key", KEY, "--max-slots", "2", "--max-seq-len", "128", "--prefill-buckets", "16,32"]
+    with running_server(tiny_model("llama_gqa_untied")[0], *options, "--speculative", "ngram") as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+        body = {
+            "model": client.models.list().data[0].id,
+            "prompt": "one two one two one two",
+            "max_tokens": 40,
+        }
+        body |= {"temperature": 0}
+        on = client.completions.create(**body, extra_body={"ignore_eos": True}).to_dict()
+        off = client.completions.create(
+            **body, extra_body={"ignore_eos": True, "speculative": False}
+        ).to_dict()
+        assert on["choices"][0]["text"] == off["choices"][0]["text"]
+        timings_on, timings_off = on["jinfer"]["timings"][0], off["jinfer"]["timings"][0]
+        assert timings_on["verify_steps"] > 0 and timings_on["accepted_tokens"] > 0, timings_on
+        assert timings_off["verify_steps"] == timings_off["draft_tokens"] == 0
+        metrics = httpx.get(base + "/metrics", headers=AUTH).text
+        assert "jinfer_verify_dispatches_total" in metrics and "jinfer_accepted_draft_tokens_total" in metrics
+        bad = httpx.post(base + "/v1/completions", json={**body, "speculative": "yes"}, headers=AUTH)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
