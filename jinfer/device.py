@@ -15,6 +15,8 @@ call (the engine's loop and a server scoring a text).
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
 
 `allowed` is the [slots, W] bitmask of a dispatch with constrained rows, None without.
+`warm_up` makes each verb compile every variant; `verify_cost` times verify against decode steps
+(through those same verbs, so followers replay them too).
 """
 
 from __future__ import annotations
@@ -157,10 +159,16 @@ class Device:
         return self._call("score", (tokens,), lambda: self._score(self._score_params, tokens))
 
     # ---------------------------------------------------------------------------- warm-up
-    def warm_up(self, no_pages: np.ndarray) -> None:
+    def page_list(self, pages: list[int]) -> np.ndarray:
+        """Pages for `clear_pages`, padded with the pool size (dropped)."""
+        layout = self.steps.layout
+        padded = np.full(layout.max_pages, layout.num_pages, np.int32)
+        padded[: len(pages)] = pages
+        return padded
+
+    def warm_up(self) -> None:
         """Compile every prefill bucket, every (mixed, verify) decode bucket pair and the small
-        verbs (`no_pages`: an empty page list for clear_pages). Nothing is written: the warm-up
-        rows have no pages."""
+        verbs. The caller sets block tables that map nowhere first: the warm-up chunks write."""
         layout, vocab = self.steps.layout, self.steps.vocab_size
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
         chunk = lambda size: pack_chunk(
@@ -178,14 +186,14 @@ class Device:
             row_steps, deferred, logprobs = idle(rows)
             out, _ = self.verify(rows, attn_len, k, row_steps, deferred, deferred, logprobs)
         self.history(pack_history(0, [], 0, layout.max_seq_len))
-        self.clear_pages(no_pages)
+        self.clear_pages(self.page_list([]))
         jax.block_until_ready((out, self.cache, self.state))
 
     def verify_cost(self, rounds: int = 5) -> dict[tuple[int, int], float]:
         """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's
-        (the best of `rounds` each, every row busy, at the smallest attention bucket). The rows'
-        tables point at no page before any request ran (warm-up), so nothing is written; their
-        slot state is left for the next prefill to set."""
+        (the best of `rounds` each, every row busy, at the smallest attention bucket). The caller
+        sets block tables that map nowhere first (the busy rows write) and runs it with no
+        request in a slot (their state is left for the next prefill to set)."""
         layout, costs = self.steps.layout, {}
         attn_len = layout.attention_buckets[0]
 

@@ -38,7 +38,7 @@ from jinfer.layout import available_memory_bytes, param_bytes, resolve_layout, w
 from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
 from jinfer.models import llama, quantized
-from jinfer.paging import KVPages, SequencePages
+from jinfer.paging import SINK_PAGE, KVPages, SequencePages
 from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.request import PrefillWork, Request, RequestOutput, deliver
 from jinfer.scheduler import Plan, QueueFullError, Scheduler
@@ -149,13 +149,15 @@ class Engine:
         return self.device.params
 
     def warmup(self) -> float:
-        """Compile every prefill bucket, every (mixed, verify) decode bucket pair and the small
-        verbs, and time verify against decode steps for the speculation policy; return the
-        seconds. Nothing is written: the warm-up rows have no pages."""
+        """Compile every verb's variants (`Device.warm_up`) and time verify against decode steps
+        for the speculation policy; the seconds. Call it with no request running: its calls write
+        (a warm-up chunk, the timed rows), through block tables that map nowhere meanwhile."""
         start = time.perf_counter()
-        self.device.warm_up(self._page_list([]))
+        self.device.set_tables(np.full_like(self.kv.tables, SINK_PAGE))
+        self.device.warm_up()
         if self.speculation is not None:
             self.speculation.cost = self.device.verify_cost()
+        self.device.set_tables(self.kv.tables.copy())
         return time.perf_counter() - start
 
     def compile_count(self) -> int:
@@ -410,12 +412,6 @@ class Engine:
             )
             self.device.history(packed)
 
-    def _page_list(self, pages: list[int]) -> np.ndarray:
-        """Pages for `clear_pages`, padded with the pool size (dropped)."""
-        padded = np.full(self.layout.max_pages, self.layout.num_pages, np.int32)
-        padded[: len(pages)] = pages
-        return padded
-
     def _commit(self, owners: list[Request | None], out, verified: tuple | None) -> None:
         """Hand a dispatch's tokens to the scheduler (`verified`: a verify dispatch's decode steps
         and the draft tokens proposed [steps, rows], whose acceptance is recorded first)."""
@@ -441,7 +437,7 @@ class Engine:
             self._lock.notify_all()
         poisoned = committed.poisoned_pages  # zeroed before the next plan can give them to someone
         for start in range(0, len(poisoned), self.layout.max_pages):
-            self.device.clear_pages(self._page_list(poisoned[start : start + self.layout.max_pages]))
+            self.device.clear_pages(self.device.page_list(poisoned[start : start + self.layout.max_pages]))
         deliver(committed.events)
 
     def _recover(self, touched: list[Request], error: Exception) -> None:

@@ -27,10 +27,11 @@ host's block tables [slots, max_pages] (not donated: the host re-uploads them wh
   verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted
       Decode steps that each verify k draft tokens a row (`jinfer.speculative`).
 
-Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask and output-token
-counts (what the penalties read) from the tokens the request really has, whatever the prefix
-cache spared it from computing or a preemption made it recompute; `clear_pages` zeroes pages that
-may hold NaN or infinities before they are reused (0 * NaN would leak through masking).
+Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask, output-token
+counts (what the penalties read) and token history (where drafts are looked up) from the tokens
+the request really has, whatever the prefix cache spared it from computing or a preemption made
+it recompute; `clear_pages` zeroes pages that may hold NaN or infinities before they are reused
+(0 * NaN would leak through masking).
 
 One compiled decode per (rows, attn_len) bucket pair: `rows` (a slot-count bucket covering the
 highest busy slot; the scheduler fills the lowest free slot first) keeps a lightly loaded engine

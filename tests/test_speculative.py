@@ -194,12 +194,30 @@ def test_cancel_frees_the_slot_and_sends_nothing_more(pair):
     assert all(slot is None for slot in engine.scheduler.slots)
 
 
+def test_a_warmup_after_requests_leaves_the_prefix_cache_intact(pair):
+    """The warm-up's own calls write (a prompt chunk into slot 0, and with speculation busy timed
+    rows); the pages a finished request left cached must not be among what they write."""
+    off, _ = pair
+    prompt = _prompt(78, 100)  # a whole page of 64 positions to find again
+    (first,) = off.generate([prompt], GREEDY)
+    off.engine.warmup()
+    hits = off.engine.kv.hits
+    assert off.generate([prompt], GREEDY)[0].token_ids == first.token_ids
+    assert off.engine.kv.hits > hits
+
+
 def test_no_compiles_after_warmup_and_penalised_or_opted_out_requests_decode_plainly(tiny_model):
     llm = jinfer.LLM(
         tiny_model("qwen2_bias_tied")[0], speculative="ngram", kv_cache_tokens=256, page_size=16, **OPTIONS
     )
+    cached_prompt = _prompt(77, 40)
+    (first,) = llm.generate([cached_prompt], GREEDY)
+    # The warm-up's timed rows are busy: they must not write into the pages the prefix cache holds.
     llm.engine.warmup()
     assert set(llm.engine.speculation.cost) == set(llm.engine.layout.verify_variants)
+    hits = llm.engine.kv.hits
+    assert llm.generate([cached_prompt], GREEDY)[0].token_ids == first.token_ids
+    assert llm.engine.kv.hits > hits
     before = llm.engine.compile_count()
     prompts, samplings = zip(*[_cotenant(s) for s in range(14)], strict=True)
     samplings = list(samplings)
