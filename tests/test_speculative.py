@@ -2,6 +2,7 @@
 and seeded, alone and in any crowd; sampled rows keep the model's distribution; stops, max_tokens
 and cancellation stay exact when several tokens land in one step; no compiles after warm-up."""
 
+import dataclasses
 import math
 
 import httpx
@@ -9,6 +10,7 @@ import jax
 import numpy as np
 import openai
 import pytest
+from test_engine import _cotenant as random_cotenant
 from test_server import AUTH, KEY, running_server
 from tiny import VOCAB
 
@@ -31,18 +33,12 @@ def _repeating(seed, length):
 
 
 def _cotenant(seed):
-    rng = np.random.RandomState(seed)
-    sampling = jinfer.SamplingParams(
-        max_tokens=int(rng.randint(4, 24)),
-        temperature=float(rng.choice([0.0, 0.7, 1.3])),
-        top_k=int(rng.choice([0, 5])),
-        presence_penalty=float(rng.choice([0.0, 0.5])),
-        logprobs=int(rng.choice([0, 3])) if rng.rand() < 0.5 else None,
-        seed=seed,
-        ignore_eos=True,
-    )
-    prompt = _repeating(seed + 1000, int(rng.randint(5, 40))) if seed % 2 else _prompt(seed, 20)
-    return prompt, sampling
+    """test_engine's random neighbour, seeded (its tokens are compared too), every other one on a
+    prompt that repeats itself."""
+    prompt, sampling = random_cotenant(seed)
+    if seed % 2:
+        prompt = _repeating(seed + 1000, len(prompt))
+    return prompt, dataclasses.replace(sampling, seed=seed)
 
 
 @pytest.fixture(scope="module")
