@@ -405,7 +405,10 @@ class Engine:
         """Before a penalised or speculative request's first chunk: its slot's prompt mask, output
         counts and token history, from its tokens (the prefix cache may spare it computing some, a
         preemption makes it prefill its output again). Other requests never read them."""
-        if work.first and (work.request.sampling.penalised or work.request.speculative):
+        # A speculative request's chunks write its token history themselves unless the first
+        # starts past cached positions.
+        spared = work.request.speculative and work.start > 0
+        if work.first and (work.request.sampling.penalised or spared):
             request = work.request
             packed = pack_history(
                 work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len

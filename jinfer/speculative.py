@@ -38,7 +38,7 @@ import numpy as np
 
 from jinfer.models import llama
 from jinfer.sampling import pick
-from jinfer.state import SlotState, put_rows, rows_of, sample_rows
+from jinfer.state import SlotState, sample_rows, scan_rows
 
 LONGEST_NGRAM = 3  # the longest suffix looked up; shorter ones only when it has no earlier match
 RECORD_DECAY = 0.8  # weight of a request's earlier verify steps in its record, per verify step
@@ -162,25 +162,19 @@ def verify_step(
 
 
 def verify(params, cache, state, tables, row_steps, drafting, deferred, want_logprobs, *, steps, **options):
-    """`steps` verify steps for slots 0..rows-1 (`lax.scan`), slot i in the first row_steps[i] (a
-    deferred slot in the first only, unsampled): the cache, the state, the output [steps x (k + 1),
-    rows] (tokens -1 where nothing was emitted) and the drafts proposed [steps, rows]."""
-    rows = row_steps.shape[0]
+    """`steps` verify steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
+    row_steps[i] (a deferred slot in the first only, unsampled): the cache, the state, the output
+    [steps x (k + 1), rows] (tokens -1 where nothing was emitted) and the drafts proposed [steps,
+    rows]."""
 
-    def scan_step(carry, step):
-        cache, part = carry
-        active, first = row_steps > step, deferred & (step == 0)
+    def step(cache, part, active, deferred):
         cache, part, out, drafted = verify_step(
-            params, cache, part, tables, active, drafting, first, want_logprobs, **options
+            params, cache, part, tables, active, drafting, deferred, want_logprobs, **options
         )
-        return (cache, part), (out, drafted)
+        return cache, part, (out, drafted)
 
-    carry = (cache, rows_of(state, rows))
-    (cache, part), (outs, drafted) = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
-    outs = jax.tree.map(
-        lambda a: a.reshape(-1, *a.shape[2:]), outs
-    )  # [steps, k + 1, ...] -> [steps (k + 1), ...]
-    return cache, put_rows(state, part), outs, drafted
+    cache, state, (outs, drafted) = scan_rows(step, cache, state, row_steps, deferred, steps)
+    return cache, state, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs), drafted
 
 
 def may_draft(sampling, constrained: bool) -> bool:

@@ -8,9 +8,10 @@ float32 array (`PackedChunk`): their fields, in order, are declared in `_INT_FIE
 (`PackedChunk.unpack`) take their offsets from that declaration.
 
 The transitions every decoding verb shares live here too: a decode over slots 0..rows-1 works on
-their rows (`rows_of`, `put_rows`), and `sample_rows` samples them and advances the sampled ones
-(token, position, counts, token history); `set_history` sets a slot's prompt mask, output counts
-and token history from the tokens the request really has.
+their rows (`rows_of`, `put_rows`; `scan_rows` runs several steps of it), and `sample_rows`
+samples them and advances the sampled ones (token, position, counts, token history);
+`set_history` sets a slot's prompt mask, output counts and token history from the tokens the
+request really has.
 """
 
 from __future__ import annotations
@@ -102,6 +103,22 @@ def rows_of(state: SlotState, rows: int) -> SlotState:
 
 def put_rows(full: SlotState, part: SlotState) -> SlotState:
     return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
+
+
+def scan_rows(step, cache, state: SlotState, row_steps, deferred, steps: int):
+    """`steps` steps for slots 0..rows-1 (`lax.scan`; rows = len(row_steps)): `step(cache,
+    rows_state, active, deferred) -> cache, rows_state, output`, slot i active in the first
+    row_steps[i] steps, a deferred slot deferred in the first only. Returns the cache, the whole
+    state and the outputs stacked [steps, ...]."""
+
+    def scan_step(carry, index):
+        cache, part = carry
+        cache, part, out = step(cache, part, row_steps > index, deferred & (index == 0))
+        return (cache, part), out
+
+    carry = (cache, rows_of(state, row_steps.shape[0]))
+    (cache, part), outs = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
+    return cache, put_rows(state, part), outs
 
 
 def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs):

@@ -80,6 +80,7 @@ from jinfer.state import (
     put_rows,
     rows_of,
     sample_rows,
+    scan_rows,
     set_history,
 )
 from jinfer.state import state_shardings as slot_state_shardings
@@ -205,29 +206,17 @@ def _decode_step(
 
 
 def _decode(params, cache, state, tables, row_steps, deferred, want_logprobs, *, steps, **step_options):
-    """`steps` decode steps for slots 0..rows-1 (`lax.scan`), slot i in the first row_steps[i] of
-    them (a deferred slot in the first only, unsampled): the cache, the state and the output
-    [steps, rows]."""
-    rows = row_steps.shape[0]
+    """`steps` decode steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
+    row_steps[i] of them (a deferred slot in the first only, unsampled): the cache, the state and
+    the output [steps, rows]."""
 
-    def scan_step(carry, step):
-        cache, rows_state = carry
-        cache, rows_state, out, _ = _decode_step(
-            params,
-            cache,
-            rows_state,
-            tables,
-            row_steps > step,
-            deferred & (step == 0),
-            want_logprobs,
-            None,
-            **step_options,
+    def step(cache, part, active, deferred):
+        cache, part, out, _ = _decode_step(
+            params, cache, part, tables, active, deferred, want_logprobs, None, **step_options
         )
-        return (cache, rows_state), out
+        return cache, part, out
 
-    carry = (cache, rows_of(state, rows))
-    (cache, rows_state), outs = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
-    return cache, put_rows(state, rows_state), outs
+    return scan_rows(step, cache, state, row_steps, deferred, steps)
 
 
 def _mixed(

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 from test_engine import _cotenant as random_cotenant
-from test_server import AUTH, KEY, running_server
+from test_server import AUTH, KEY, TINY_OPTIONS, running_server
 from tiny import VOCAB
 
 import jinfer
@@ -260,15 +260,10 @@ def test_smollm2_same_text_with_speculation_beside_cotenants(smollm2_llm):
 def test_server_speculates_unless_a_request_opts_out(tiny_model):
     """`jinfer serve --speculative ngram`: the same text with and without the request's opt-out,
     the drafts in the jinfer timings and the metrics; a non-boolean opt-out is a 400."""
-    options = ["--api-key", KEY, "--max-slots", "2", "--max-seq-len", "128", "--prefill-buckets", "16,32"]
-    with running_server(tiny_model("llama_gqa_untied")[0], *options, "--speculative", "ngram") as (base, _):
+    options = (*TINY_OPTIONS, "--speculative", "ngram")
+    with running_server(tiny_model("llama_gqa_untied")[0], *options) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
-        body = {
-            "model": client.models.list().data[0].id,
-            "prompt": "one two one two one two",
-            "max_tokens": 40,
-        }
-        body |= {"temperature": 0}
+        body = {"model": "tiny", "prompt": "one two one two one two", "max_tokens": 40, "temperature": 0}
         on = client.completions.create(**body, extra_body={"ignore_eos": True}).to_dict()
         off = client.completions.create(
             **body, extra_body={"ignore_eos": True, "speculative": False}
