@@ -83,10 +83,31 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------- blocks
+def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
+    """The sum of x over `axis` (kept, of size 1) as a pairwise tree of elementwise adds over the
+    axis zero-padded to a power of two: the same order, so the same bits, for a column whatever
+    else the array holds. (XLA's reductions pick their order from the whole shape: on a CPU, an
+    RMSNorm over SmolLM2's 576 features gave a column other bits beside 7 others than alone.)"""
+    axis %= x.ndim
+    size = x.shape[axis]
+    width = 1 << (size - 1).bit_length()
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, width - size)
+    x = jnp.pad(x, pad)
+    while width > 1:
+        width //= 2
+        x = jax.lax.slice_in_dim(x, 0, width, axis=axis) + jax.lax.slice_in_dim(
+            x, width, 2 * width, axis=axis
+        )
+    return x
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.Array:
-    """RMSNorm of x over `axis` (features; axis 0 for decoder columns [D, N]), scaled by weight."""
+    """RMSNorm of x over `axis` (features; axis 0 for decoder columns [D, N]), scaled by weight.
+    Each column's bits do not depend on the other columns (`fixed_order_sum`)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    mean_square = fixed_order_sum(xf * xf, axis) / x.shape[axis]
+    xf = xf * jax.lax.rsqrt(mean_square + eps)
     shape = [1] * x.ndim
     shape[axis] = -1
     return weight.reshape(shape) * xf.astype(x.dtype)
@@ -130,7 +151,8 @@ def _attention_block(
     cfg: ModelConfig,
     attend: Backend,
 ):
-    """x [D, N] columns (the groups' tokens in order) -> attention output [D, N], updated cache."""
+    """x [D, N] columns (the groups' tokens in order; cos, sin [N, H]) -> attention output [D, N],
+    updated cache."""
     groups_per_kv = cfg.num_groups
     with jax.named_scope("qkv_proj"):
         qkv = project(p.wqkv, x)  # [K, G + 2, h, N]
@@ -140,19 +162,25 @@ def _attention_block(
     if cfg.qk_norm:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, axis=-2)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, axis=-2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv_heads, h = k.shape[0], k.shape[1]
 
-    # Heads-major columns to attention's [B, K, (G,) T, H]: small transposes of this step's tokens.
+    # Heads-major columns to attention's [B, K, (G,) T, H]: small transposes of this step's tokens,
+    # rotated there (`apply_rope`: the head dim minor). cos, sin: [N, H].
     per_group, start = [], 0
     for group in groups:
         b, t = group.tokens.shape
         cols = slice(start, start + b * t)
         start += b * t
+        # Queries and keys rotated as one array: the keys' rotation then lands in the loop the
+        # queries need anyway, never fused into the cache write (XLA:CPU made scalar code there
+        # for a one-token step: other bits than a longer step's vector code).
+        gqk = jnp.concatenate([q[..., cols], k[..., cols][:, None]], axis=1)  # [K, G + 1, h, b * t]
+        gqk = gqk.reshape(kv_heads, groups_per_kv + 1, h, b, t).transpose(3, 0, 1, 4, 2)
+        gqk = apply_rope(gqk, *(c[cols].reshape(b, 1, 1, t, h) for c in (cos, sin)))
         per_group.append(
             (
-                q[..., cols].reshape(kv_heads, groups_per_kv, h, b, t).transpose(3, 0, 1, 4, 2),
-                k[..., cols].reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1),
+                gqk[:, :, :groups_per_kv],
+                gqk[:, :, groups_per_kv],
                 v[..., cols].reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1),
             )
         )

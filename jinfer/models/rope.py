@@ -1,5 +1,5 @@
 """Rotary position embeddings: inverse frequencies per scaling rule (default, linear, llama3,
-yarn, GGUF's per-frequency divisors) and the rotate-half rotation on feature-major columns."""
+yarn, GGUF's per-frequency divisors) and the rotate-half rotation of head vectors."""
 
 from __future__ import annotations
 
@@ -67,16 +67,19 @@ def _yarn(rope: RopeConfig, dim: int, pos_freqs: np.ndarray) -> tuple[np.ndarray
 
 
 def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [head_dim, N] (float32) for integer positions [B, T], columns in token order."""
+    """cos, sin [..., head_dim] (float32) for integer positions [...]."""
     inv_freq, scale = rope_inv_freq(cfg.rope, cfg.head_dim)
-    angles = jnp.asarray(inv_freq)[:, None] * positions.reshape(1, -1).astype(jnp.float32)  # [h/2, N]
-    angles = jnp.concatenate([angles, angles], axis=0)  # [h, N]
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., h/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [..., h]
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face layout) on columns x [..., h, N]."""
-    half = x.shape[-2] // 2
-    rotated = jnp.concatenate([-x[..., half:, :], x[..., :half, :]], axis=-2)
+    """Rotate-half RoPE (the Hugging Face layout) on head vectors x [..., h], cos and sin
+    broadcasting to it. Applied with the head dim minor, a token's rotation is the same vector code
+    however many tokens share the array (with tokens minor, XLA:CPU computed a decode token's
+    differently alone than beside others: other bits)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
     return out.astype(x.dtype)
