@@ -121,7 +121,7 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_STOP_IDS = 64  # stop_token_ids + eos ids
 
 
-SPECULATIVE = ("off", "ngram")  # where draft tokens come from (`jinfer.speculative.DRAFT_SOURCES`)
+SPECULATIVE = ("off", "ngram", "draft")  # where draft tokens come from (`speculative.DRAFT_SOURCES`)
 
 
 def dispatch_steps(decode_steps: int, mixed: bool) -> int:
@@ -171,10 +171,19 @@ class EngineConfig:
     )
     speculative: str = setting(
         "off",
-        "ngram: decode steps verify draft tokens looked up in each request's own prompt and output "
-        "(exact: the same tokens as without; used only where it pays); off",
+        "ngram: decode steps verify draft tokens looked up in each request's own prompt and output; "
+        "draft: guessed by draft_model (exact either way: the same tokens as without; used only where "
+        "it pays); off (draft when draft_model is set)",
     )
     num_draft_tokens: int = setting(4, "draft tokens a speculative decode step verifies per request")
+    draft_model: str | None = setting(
+        None,
+        "a smaller model of the same vocabulary that drafts for speculative decoding (any path jinfer "
+        "loads; its own KV cache beside the model's)",
+    )
+    draft_quantization: str = setting(
+        "auto", "how the draft model's weights are held (as quantization; e.g. a Q4 draft of a float model)"
+    )
     dtype: str = setting("float32", "float32 | bfloat16 | float16")
     decode_kernel: bool = setting(
         True,
@@ -235,6 +244,13 @@ class EngineConfig:
                 )
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if self.draft_model is not None and self.speculative == "off":
+            object.__setattr__(self, "speculative", "draft")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                f"speculative={self.speculative} with draft_model={self.draft_model!r}: a draft model "
+                "drafts with speculative=draft, and speculative=draft needs one"
+            )
         if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 0:
             raise ValueError(
                 f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}"
@@ -248,8 +264,9 @@ class EngineConfig:
             or not all(isinstance(b, int) and b > 0 for b in buckets)
         ):
             raise ValueError(f"prefill_buckets must be a tuple of positive lengths, got {buckets!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        for name in ("quantization", "draft_quantization"):
+            if getattr(self, name) not in QUANTIZATIONS:
+                raise ValueError(f"{name} must be one of {QUANTIZATIONS}, got {getattr(self, name)!r}")
         if self.context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

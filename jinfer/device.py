@@ -216,5 +216,4 @@ class Device:
 
     def consumed(self) -> bool:
         """Whether a failed call took the donated cache or state with it."""
-        cache = self.cache
-        return any(a.is_deleted() for a in (*cache.k, *cache.v)) or self.state.tokens.is_deleted()
+        return any(a.is_deleted() for a in jax.tree.leaves(self.cache)) or self.state.tokens.is_deleted()

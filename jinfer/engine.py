@@ -33,9 +33,10 @@ import numpy as np
 from jinfer.cluster import current_cluster
 from jinfer.config import EngineConfig, dispatch_steps
 from jinfer.device import Device
+from jinfer.draft import WithDraft, draft_weights, target_of
 from jinfer.kv_cache import bytes_per_token
-from jinfer.layout import available_memory_bytes, param_bytes, resolve_layout, why_dequantized
-from jinfer.loading import LoadedModel
+from jinfer.layout import available_memory_bytes, param_bytes, resolve_layout
+from jinfer.loading import LoadedModel, engine_weights
 from jinfer.metrics import DispatchCounts
 from jinfer.models import llama, quantized
 from jinfer.paging import SINK_PAGE, KVPages, SequencePages
@@ -43,7 +44,7 @@ from jinfer.prepare import PreparedRequest, RequestPreparer
 from jinfer.request import PrefillWork, Request, RequestOutput, deliver
 from jinfer.scheduler import Plan, QueueFullError, Scheduler
 from jinfer.scoring import Scorer
-from jinfer.sharding import DTYPES, make_mesh, place_params
+from jinfer.sharding import DTYPES, make_mesh
 from jinfer.speculative import Speculation, may_draft
 from jinfer.state import pack_history
 from jinfer.steps import build_steps
@@ -69,29 +70,28 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = DTYPES[config.dtype]
-        devices = config.mesh_data * config.mesh_model
-        params = loaded.params
-        why = why_dequantized(config, devices)
-        if why and quantized.formats_held(params):
-            log.info("engine: quantized weights dequantized to %s: %s", config.dtype, why)
-            params = quantized.dequantized(params)
-        padded_cfg, params = place_params(loaded.config, params, self.mesh, self.dtype)
-        weight_bytes = param_bytes(quantized.floats(params))  # what a packed copy would take
-        per_token = bytes_per_token(padded_cfg, self.dtype)
+        padded_cfg, params = engine_weights(loaded, config, self.mesh, self.dtype)
+        # A draft model (`jinfer.draft`): weights and a cache of its own, paged like the target's.
+        draft_cfg, draft_params = draft_weights(config, loaded, self.mesh, self.dtype)
+        models = ((padded_cfg, params), (draft_cfg, draft_params))
+        per_token = sum(bytes_per_token(cfg, self.dtype) for cfg, _ in models if cfg)
         self.layout = layout = resolve_layout(
             config,
             loaded.config,
             self.mesh.size,
             cache_bytes_per_token=per_token,
-            weight_bytes=weight_bytes,
-            available_bytes=available_memory_bytes(self.mesh.devices.flat[0]) * devices,
+            weight_bytes=sum(param_bytes(quantized.floats(p)) for cfg, p in models if cfg),  # packed copies
+            available_bytes=available_memory_bytes(self.mesh.devices.flat[0]) * self.mesh.size,
             quantized_weights=bool(quantized.formats_held(params)),
+            draft=draft_cfg,
         )
         if layout.packed_weights:  # one device: the packed copies' own placement will do
-            params = llama.pack_weights(params, padded_cfg)
-        shardings = jax.tree.map(lambda a: a.sharding, params)
+            params, draft_params = (cfg and llama.pack_weights(p, cfg) for cfg, p in models)
+        carried = params if draft_cfg is None else WithDraft(params, draft_params)
+        shardings = jax.tree.map(lambda a: a.sharding, carried)
         self.cache_bytes = layout.num_pages * layout.page_size * per_token
-        self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, loaded.config.vocab_size)
+        vocab = loaded.config.vocab_size
+        self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, vocab, draft_cfg)
         self.preparer = RequestPreparer(
             self.tokenizer,
             vocab_size=loaded.config.vocab_size,
@@ -116,7 +116,7 @@ class Engine:
         )
         self.speculation = Speculation(layout.verify_variants) if layout.verify_variants else None
         tables = self.kv.tables.copy()  # the device's, as of _tables_version
-        self.device = Device(self.steps, params, self.dtype, tables, llama.unpacked(params))
+        self.device = Device(self.steps, carried, self.dtype, tables, llama.unpacked(params))
         self._tables_version = self.kv.version
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, layout.max_seq_len)
@@ -145,8 +145,9 @@ class Engine:
 
     @property
     def params(self):
-        """The weights the steps run with (the device's: one copy, wherever it is read)."""
-        return self.device.params
+        """The weights the steps run with (the device's: one copy, wherever it is read), the
+        target model's where there is a draft model."""
+        return target_of(self.device.params)
 
     def warmup(self) -> float:
         """Compile every verb's variants (`Device.warm_up`) and time verify against decode steps

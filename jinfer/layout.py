@@ -171,18 +171,20 @@ class Layout:
         )
 
 
-def attention_kernel(config: EngineConfig, model: ModelConfig, max_pages: int, devices: int) -> str | None:
+def attention_kernel(
+    config: EngineConfig, models: tuple[ModelConfig, ...], max_pages: int, devices: int
+) -> str | None:
     """Which kernel decode attends with, when `config.decode_kernel` asks for one and the mesh is a
     single device (neither kernel has a sharding rule): "gpu": the Pallas paged kernel, for 16-bit
     caches (its float32 products would round to TF32) with block tables it can split; "cpu": the
-    C++ kernel, for float32 caches and a head_dim of whole 8-lane vectors, once it is built. None:
-    XLA's einsums."""
+    C++ kernel, for float32 caches and a head_dim of whole 8-lane vectors (in every model: the
+    target, a draft), once it is built. None: XLA's einsums."""
     if not config.decode_kernel or devices != 1:
         return None
     backend = jax.default_backend()
     if backend == "gpu" and config.dtype != "float32" and gpu_attention.fits(max_pages):
         return "gpu"
-    if backend == "cpu" and config.dtype == "float32" and model.head_dim % 8 == 0:
+    if backend == "cpu" and config.dtype == "float32" and all(m.head_dim % 8 == 0 for m in models):
         return "cpu" if cpu_attention.available() else None
     return None
 
@@ -241,11 +243,13 @@ def resolve_layout(
     weight_bytes: int,
     available_bytes: int,
     quantized_weights: bool = False,
+    draft: ModelConfig | None = None,
 ) -> Layout:
     """The layout in effect. `available_bytes`: memory free now, with the weights already loaded;
     the pool and (packed weights) a packed copy of the weights must fit within memory_fraction of
     it. Packed weights "auto" are left off when they would not fit beside the pool. A pool that
-    does not fit is refused (ValueError) with the kv_cache_tokens that would."""
+    does not fit is refused (ValueError) with the kv_cache_tokens that would. With a `draft` model
+    (`jinfer.draft`), cache_bytes_per_token and weight_bytes are both models'."""
     max_seq_len = min(config.max_seq_len, model.max_position_embeddings)
     if config.page_size is None:
         config = dataclasses.replace(config, page_size=default_page_size(jax.default_backend()))
@@ -288,7 +292,7 @@ def resolve_layout(
         mesh_data=config.mesh_data,
         mesh_model=config.mesh_model,
         context_policy=config.context_policy,
-        attention_kernel=attention_kernel(config, model, max_pages, devices),
+        attention_kernel=attention_kernel(config, tuple(m for m in (model, draft) if m), max_pages, devices),
         packed_weights=runs,
         quantized_weights=quantized_weights,
         page_size=page,

@@ -1,26 +1,32 @@
 """Loading by what a path is: a Hugging Face directory, a .gguf file or a jinfer checkpoint
 directory (each format in `jinfer.formats`), for models (`load_model`, which adds the model's
 preset sampling defaults; onto a mesh's shards directly with `placement_for`'s placement) and
-for tokenizers alone (`load_tokenizer`); and where the embedded default model lives
-(`default_model_path`)."""
+for tokenizers alone (`load_tokenizer`); how an engine holds a loaded model's weights
+(`engine_weights`); and where the embedded default model lives (`default_model_path`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax.numpy as jnp
 
 from jinfer.formats import checkpoint, gguf, hf
 from jinfer.formats.params import CheckpointError, LoadedModel
+from jinfer.layout import why_dequantized
+from jinfer.models import quantized
 from jinfer.presets import model_preset
 from jinfer.sampling import check_model_defaults
-from jinfer.sharding import DTYPES, Placement, make_mesh
+from jinfer.sharding import DTYPES, Placement, make_mesh, place_params
 from jinfer.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger("jinfer.loading")
 
 __all__ = [
     "CheckpointError",
     "LoadedModel",
     "default_model_path",
+    "engine_weights",
     "load_model",
     "load_tokenizer",
     "placement_for",
@@ -68,6 +74,18 @@ def placement_for(config) -> Placement | None:
     if config.mesh_data * config.mesh_model == 1:
         return None
     return Placement(make_mesh(config.mesh_data, config.mesh_model), DTYPES[config.dtype])
+
+
+def engine_weights(loaded: LoadedModel, config, mesh, dtype):
+    """A loaded model's weights as an engine of `config` (an EngineConfig) runs them: quantized
+    matrices dequantized where the quantized kernel will not multiply them (`why_dequantized`),
+    padded for the mesh and placed on it. Returns the padded config and the weights."""
+    params = loaded.params
+    why = why_dequantized(config, mesh.size)
+    if why and quantized.formats_held(params):
+        log.info("%s: quantized weights dequantized to %s: %s", loaded.source, config.dtype, why)
+        params = quantized.dequantized(params)
+    return place_params(loaded.config, params, mesh, dtype)
 
 
 def default_model_path() -> str:

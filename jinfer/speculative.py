@@ -2,8 +2,9 @@
 decoding one at a time would give.
 
 A decode step reads every weight to make one token per row; a verify step feeds each row its last
-token and k draft tokens guessed from its own prompt and output (`ngram_drafts`: the tokens that
-followed the latest earlier occurrence of the row's last 1-3 tokens) through one pass, and so
+token and k draft tokens (`DRAFT_SOURCES`: guessed from its own prompt and output by
+`ngram_drafts`, the tokens that followed the latest earlier occurrence of the row's last 1-3
+tokens; or a small draft model's greedy continuation, `jinfer.draft`) through one pass, and so
 gets the logits of k + 1 positions for the price of about one while the batch is small:
 
     tokens [rows, k + 1] = last token, d_1 .. d_k  ->  logits at positions p .. p + k
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinfer.draft import model_drafts, target_of, with_target
 from jinfer.models import llama
 from jinfer.sampling import pick
 from jinfer.state import SlotState, sample_rows, scan_rows
@@ -75,9 +77,14 @@ def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.
     return jnp.where(real, drafts, 0), real
 
 
-# Where draft tokens come from, by `EngineConfig.speculative`: (slot state, k) -> drafts [rows, k]
-# and which are real [rows, k]. A draft model or trained heads would read their own state here.
-DRAFT_SOURCES = {"ngram": lambda state, k: ngram_drafts(state.history, state.positions, k)}
+def _ngram_source(params, cache, state, tables, active, k, **_):
+    return (*ngram_drafts(state.history, state.positions, k), cache)
+
+
+# Where draft tokens come from, by `EngineConfig.speculative`: (weights, caches, slot state, block
+# tables, active rows, k, **step options) -> drafts [rows, k], which are real [rows, k], and the
+# caches. Trained heads (EAGLE / MTP) would be a source reading the target's hidden states.
+DRAFT_SOURCES = {"ngram": _ngram_source, "draft": model_drafts}
 
 
 def _later_positions(state: SlotState, logits: jax.Array, drafting_rows: jax.Array, want_logprobs):
@@ -114,20 +121,26 @@ def verify_step(
     vocab,
     k,
     source,
+    draft_cfg=None,
     **attention,
 ):
     """One verify step for the state's rows (active, drafting, deferred [rows] bool): the cache, the
     rows' state, their output [k + 1, rows] (tokens -1 where not emitted) and the drafts proposed
     [rows]. A deferred row (a grammar's) is fed and its position-0 logits kept, as a decode step
-    does."""
+    does. With a draft model (`jinfer.draft`) params and cache are both models'."""
     rows = active.shape[0]
-    drafts, real = DRAFT_SOURCES[source](state, k)
+    options = {"draft_cfg": draft_cfg, "vocab": vocab, **attention}
+    drafts, real, cache = DRAFT_SOURCES[source](params, cache, state, tables, active, k, **options)
     real &= (drafting & active & ~deferred)[:, None]
     tokens = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
     positions = state.positions[:, None] + jnp.arange(k + 1)[None, :]
     group = llama.TokenGroup(tokens, positions, active=active)
-    (hidden,), cache = llama.forward_groups(params, (group,), cfg, cache, tables, **attention)
-    logits = llama.logits(params, hidden)[..., :vocab]  # [rows, k + 1, V]
+    target = target_of(params)
+    (hidden,), target_cache = llama.forward_groups(
+        target, (group,), cfg, target_of(cache), tables, **attention
+    )
+    cache = with_target(cache, target_cache)
+    logits = llama.logits(target, hidden)[..., :vocab]  # [rows, k + 1, V]
     first = logits[:, 0]
     kept = jax.lax.cond(
         jnp.any(deferred), lambda: jnp.where(deferred[:, None], first, state.logits), lambda: state.logits

@@ -27,6 +27,9 @@ host's block tables [slots, max_pages] (not donated: the host re-uploads them wh
   verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted
       Decode steps that each verify k draft tokens a row (`jinfer.speculative`).
 
+With a draft model (`jinfer.draft`) the weights and the cache are both models' (`WithDraft`), and
+every verb's pass over tokens writes the draft's K/V as well as the target's.
+
 Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask, output-token
 counts (what the penalties read) and token history (where drafts are looked up) from the tokens
 the request really has, whatever the prefix cache spared it from computing or a preemption made
@@ -66,6 +69,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
+from jinfer.draft import WithDraft, run_model, target_of
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
@@ -155,12 +159,12 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, allowe
     return state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _prefill(params, cache: KVCache, state: SlotState, tables, allowed, packed: PackedChunk, *, cfg, vocab):
+def _prefill(params, cache, state: SlotState, tables, allowed, packed: PackedChunk, *, cfg, vocab, draft_cfg):
     chunk = packed.unpack()
-    (hidden,), cache = llama.forward_groups(params, (_chunk_group(chunk),), cfg, cache, tables)
+    (hidden,), cache = run_model(params, (_chunk_group(chunk),), cfg, cache, tables, draft_cfg=draft_cfg)
     logits = jax.lax.cond(
         chunk.last,
-        lambda: llama.logits(params, _last_real(hidden, chunk))[:, :vocab],
+        lambda: llama.logits(target_of(params), _last_real(hidden, chunk))[:, :vocab],
         lambda: _no_logits(vocab),
     )  # [1, V]
     state, out = _start_slot(state, chunk, logits, allowed, vocab)
@@ -168,7 +172,19 @@ def _prefill(params, cache: KVCache, state: SlotState, tables, allowed, packed: 
 
 
 def _decode_step(
-    params, cache, state, tables, active, deferred, want_logprobs, chunk, *, cfg, vocab, **attention
+    params,
+    cache,
+    state,
+    tables,
+    active,
+    deferred,
+    want_logprobs,
+    chunk,
+    *,
+    cfg,
+    vocab,
+    draft_cfg,
+    **attention,
 ):
     """One decode step for the state's rows (slots 0..rows-1; active and deferred [rows] bool),
     carrying a prompt chunk when there is one: every weight is read once for both. Deferred rows
@@ -179,18 +195,19 @@ def _decode_step(
     groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
     if chunk is not None:
         groups.append(_chunk_group(chunk))
-    hidden, cache = llama.forward_groups(params, groups, cfg, cache, tables, **attention)
+    hidden, cache = run_model(params, groups, cfg, cache, tables, draft_cfg=draft_cfg, **attention)
     last = hidden[0][:, 0]  # [rows, D]
+    target = target_of(params)
     if chunk is None:
-        logits, chunk_logits = llama.logits(params, last)[:, :vocab], None
+        logits, chunk_logits = llama.logits(target, last)[:, :vocab], None
     else:
-        rows_only = lambda: (llama.logits(params, last)[:, :vocab], _no_logits(vocab))
+        rows_only = lambda: (llama.logits(target, last)[:, :vocab], _no_logits(vocab))
 
         def with_chunk():
             # The chunk's last position joins the rows in one lm_head product, padded to whole
             # column tiles (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
             both = jnp.concatenate([last, _last_real(hidden[1], chunk)])
-            both = llama.logits(params, jnp.pad(both, ((0, -both.shape[0] % COLUMN_TILE), (0, 0))))
+            both = llama.logits(target, jnp.pad(both, ((0, -both.shape[0] % COLUMN_TILE), (0, 0))))
             return both[:rows, :vocab], both[rows : rows + 1, :vocab]
 
         # Chunks before a prompt's last skip that column (8 slots: an 8- instead of a 16-column
@@ -271,8 +288,8 @@ def _sample(state: SlotState, allowed, deferred, want_logprobs):
     return state, jax.tree.map(lambda x: x[None], out)
 
 
-def _clear_pages(cache: KVCache, pages: jax.Array) -> KVCache:
-    """Zero pages [n] of every pool (entries past the pool are padding)."""
+def _clear_pages(cache, pages: jax.Array):
+    """Zero pages [n] of every pool, a draft model's too (entries past the pool are padding)."""
     return jax.tree.map(lambda pool: pool.at[:, pages].set(0, mode="drop"), cache)
 
 
@@ -281,6 +298,7 @@ class Steps:
     """The compiled verbs and the device layout they were built for."""
 
     model: ModelConfig  # padded for the mesh
+    draft_model: ModelConfig | None  # the draft model's, padded (`jinfer.draft`), or None
     layout: Layout
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
@@ -307,9 +325,13 @@ class Steps:
         verbs = (self.prefill, *decodes, self.sample, self.history, self.clear_pages)
         return sum(f._cache_size() for f in verbs)
 
-    def new_cache(self, dtype) -> KVCache:
+    def new_cache(self, dtype):
+        """The KV cache (`WithDraft` both models' with a draft model)."""
         layout = self.layout
-        return init_cache(self.model, layout.num_pages, layout.page_size, dtype, self.cache_sharding)
+        new = lambda cfg: init_cache(cfg, layout.num_pages, layout.page_size, dtype, self.cache_sharding)
+        return (
+            new(self.model) if self.draft_model is None else WithDraft(new(self.model), new(self.draft_model))
+        )
 
     def new_state(self) -> SlotState:
         return new_state(
@@ -326,15 +348,24 @@ class Steps:
         return jax.device_put(allowed, self.allowed_sharding)
 
 
-def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings, vocab_size: int) -> Steps:
-    """Jit prefill and decode once, with explicit shardings and the cache and state donated."""
+def build_steps(
+    model: ModelConfig,
+    layout: Layout,
+    mesh: Mesh,
+    param_shardings,
+    vocab_size: int,
+    draft: ModelConfig | None = None,
+) -> Steps:
+    """Jit prefill and decode once, with explicit shardings and the cache and state donated. With a
+    `draft` model (`jinfer.draft`), param_shardings are both models' (`WithDraft`)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     by_slot = NamedSharding(mesh, PartitionSpec(DATA))
     # [K, P, page_size, H]: heads over the model axis, pages over the data axis.
     cache_sharding = NamedSharding(mesh, PartitionSpec(MODEL, DATA, None, None))
-    cache_shardings = KVCache(k=(cache_sharding,) * model.num_layers, v=(cache_sharding,) * model.num_layers)
+    pools = lambda cfg: KVCache(k=(cache_sharding,) * cfg.num_layers, v=(cache_sharding,) * cfg.num_layers)
+    cache_shardings = pools(model) if draft is None else WithDraft(pools(model), pools(draft))
     state_shardings = slot_state_shardings(mesh)
-    common = {"cfg": model, "vocab": vocab_size}
+    common = {"cfg": model, "vocab": vocab_size, "draft_cfg": draft}
     kernel = layout.attention_kernel
     carried = (cache_shardings, state_shardings)
 
@@ -376,6 +407,7 @@ def build_steps(model: ModelConfig, layout: Layout, mesh: Mesh, param_shardings,
 
     return Steps(
         model=model,
+        draft_model=draft,
         layout=layout,
         vocab_size=vocab_size,
         mesh=mesh,

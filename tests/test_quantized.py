@@ -160,7 +160,7 @@ def test_gguf_matrices_load_as_their_blocks(tiny_q41):
 def test_engine_keeps_blocks_unless_asked_not_to(tiny_q41, caplog):
     kept = Engine(load_gguf(tiny_q41), EngineConfig(max_slots=2, max_seq_len=64))
     assert quantized.is_quantized(kept.params.layers[0].w_down)
-    with caplog.at_level(logging.INFO, logger="jinfer.engine"):
+    with caplog.at_level(logging.INFO, logger="jinfer.loading"):
         plain = Engine(load_gguf(tiny_q41), EngineConfig(max_slots=2, max_seq_len=64, quantization="none"))
     assert not quantized.formats_held(plain.params)
     assert "dequantized to float32: quantization=none" in caplog.text

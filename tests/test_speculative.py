@@ -15,6 +15,8 @@ from test_server import AUTH, KEY, TINY_OPTIONS, running_server
 from tiny import VOCAB
 
 import jinfer
+from jinfer.config import EngineConfig
+from jinfer.loading import CheckpointError
 from jinfer.speculative import PRIOR_RECORD, Speculation, ngram_drafts
 
 GREEDY = jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -46,6 +48,23 @@ def pair(tiny_model):
     """The same tiny model without and with n-gram speculation."""
     path = tiny_model("llama_gqa_untied")[0]
     return jinfer.LLM(path, **OPTIONS), jinfer.LLM(path, speculative="ngram", **OPTIONS)
+
+
+# Draft models of the tiny target's vocabulary: the target itself (its greedy drafts are what the
+# target picks: every one accepted), and another family (other weights, a sliding window: drafts
+# mostly rejected).
+DRAFTS = {"draft-self": "llama_gqa_untied", "draft-other": "mistral_sliding"}
+
+
+@pytest.fixture(scope="module")
+def speculating(tiny_model, pair):
+    """Source -> the tiny model speculating with it."""
+    path = tiny_model("llama_gqa_untied")[0]
+    drafted = {
+        name: jinfer.LLM(path, draft_model=tiny_model(family)[0], **OPTIONS)
+        for name, family in DRAFTS.items()
+    }
+    return {"ngram": pair[1], **drafted}
 
 
 def test_drafts_follow_the_latest_longest_earlier_match():
@@ -95,15 +114,17 @@ def test_layout_compiles_draft_lengths_within_the_kernels_columns(tiny_model):
     assert all(rows * (k + 1) <= SPECULATIVE_COLUMNS for rows, k in variants)
 
 
+@pytest.mark.parametrize("source", ["ngram", *DRAFTS])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_same_tokens_with_speculation_in_every_slot(pair, sampling):
-    off, on = pair
+def test_same_tokens_with_speculation_in_every_slot(pair, speculating, sampling, source):
+    off, on = pair[0], speculating[source]
     target = _repeating(7, 30)
     (alone,) = off.generate([target], sampling)
     counts = on.engine.dispatch_counts
-    before = counts.accepted_tokens
+    before = counts.accepted_tokens, counts.draft_tokens
     (spec_alone,) = on.generate([target], sampling)
     assert spec_alone.token_ids == alone.token_ids
+    greedy_rows = [spec_alone.metrics]
     for slot in range(4):
         neighbours = [_cotenant(10 * slot + i) for i in range(6)]
         prompts, samplings = [p for p, _ in neighbours], [s for _, s in neighbours]
@@ -111,9 +132,20 @@ def test_same_tokens_with_speculation_in_every_slot(pair, sampling):
         samplings.insert(slot, sampling)
         plain, speculative = off.generate(prompts, samplings), on.generate(prompts, samplings)
         assert speculative[slot].token_ids == alone.token_ids, slot
+        greedy_rows.append(speculative[slot].metrics)
         assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
         assert [r.logprobs for r in speculative] == [r.logprobs for r in plain]
-    assert counts.verify_dispatches > 0 and counts.accepted_tokens > before  # several tokens a step
+    accepted, drafted = counts.accepted_tokens - before[0], counts.draft_tokens - before[1]
+    assert counts.verify_dispatches > 0 and drafted > 0
+    if source != "draft-other":  # a model of other random weights guesses (next to) nothing
+        assert accepted > 0  # several tokens a step
+    if source == "draft-self" and sampling is GREEDY:
+        # Its own greedy continuation: every draft is what the target then picks, as long as the
+        # draft's cache holds each position the target's does.
+        assert all(m["accepted_tokens"] == m["draft_tokens"] for m in greedy_rows), [
+            (m["accepted_tokens"], m["draft_tokens"]) for m in greedy_rows
+        ]
+        assert sum(m["draft_tokens"] for m in greedy_rows) > 0
 
 
 def _chi2_sf(x: float, dof: int) -> float:
@@ -152,10 +184,11 @@ def test_sampled_tokens_keep_the_models_distribution(pair):
     assert _chi2_sf(chi2, dof) > 1e-3, (chi2, dof)
 
 
-def test_stops_and_max_tokens_exact_when_several_tokens_land_in_a_step(pair):
+@pytest.mark.parametrize("source", ["ngram", "draft-self"])
+def test_stops_and_max_tokens_exact_when_several_tokens_land_in_a_step(pair, speculating, source):
     """A stop token, a stop string and max_tokens landing inside a verify step's accepted run end
     the output where decoding one token at a time ends it: never a token past them."""
-    off, on = pair
+    off, on = pair[0], speculating[source]
     prompt = _repeating(3, 30)
     (free,) = off.generate([prompt], GREEDY)
     ids = free.token_ids
@@ -202,9 +235,16 @@ def test_a_warmup_after_requests_leaves_the_prefix_cache_intact(pair):
     assert off.engine.kv.hits > hits
 
 
-def test_no_compiles_after_warmup_and_penalised_or_opted_out_requests_decode_plainly(tiny_model):
+@pytest.mark.parametrize("source", ["ngram", "draft"])
+def test_no_compiles_after_warmup_and_penalised_or_opted_out_requests_decode_plainly(tiny_model, source):
+    """With a small pool (prefix hits, preemptions) and, for a draft model, one of another
+    architecture (grouped-query attention, untied embeddings) beside a Qwen2 target."""
+    drafting = {
+        "ngram": {"speculative": "ngram"},
+        "draft": {"draft_model": tiny_model("llama_gqa_untied")[0]},
+    }
     llm = jinfer.LLM(
-        tiny_model("qwen2_bias_tied")[0], speculative="ngram", kv_cache_tokens=256, page_size=16, **OPTIONS
+        tiny_model("qwen2_bias_tied")[0], kv_cache_tokens=256, page_size=16, **drafting[source], **OPTIONS
     )
     cached_prompt = _prompt(77, 40)
     (first,) = llm.generate([cached_prompt], GREEDY)
@@ -228,10 +268,13 @@ def test_no_compiles_after_warmup_and_penalised_or_opted_out_requests_decode_pla
     assert llm.engine.compile_count() == before
 
 
-def test_smollm2_same_text_with_speculation_beside_cotenants(smollm2_llm):
+@pytest.mark.parametrize("source", ["ngram", "draft"])
+def test_smollm2_same_text_with_speculation_beside_cotenants(smollm2_llm, smollm2_path, source):
     """The embedded model on an edit of its input (where drafts are accepted), alone and in each
-    slot beside others, gives the text it gives without speculation."""
-    on = jinfer.LLM(max_slots=4, max_seq_len=512, speculative="ngram")
+    slot beside others, gives the text it gives without speculation; the draft model is the model
+    itself (greedy rows accept every draft, sampled ones some)."""
+    drafting = {"ngram": {"speculative": "ngram"}, "draft": {"draft_model": smollm2_path}}
+    on = jinfer.LLM(max_slots=4, max_seq_len=512, **drafting[source])
     code = "def area(width, height):\n    return width * height\n\n\nprint(area(3, 4))\n"
     edit = [
         {
@@ -257,11 +300,14 @@ def test_smollm2_same_text_with_speculation_beside_cotenants(smollm2_llm):
     assert on.engine.dispatch_counts.accepted_tokens > 0
 
 
-def test_server_speculates_unless_a_request_opts_out(tiny_model):
-    """`jinfer serve --speculative ngram`: the same text with and without the request's opt-out,
-    the drafts in the jinfer timings and the metrics; a non-boolean opt-out is a 400."""
-    options = (*TINY_OPTIONS, "--speculative", "ngram")
-    with running_server(tiny_model("llama_gqa_untied")[0], *options) as (base, _):
+@pytest.mark.parametrize("source", ["ngram", "draft"])
+def test_server_speculates_unless_a_request_opts_out(tiny_model, source):
+    """`jinfer serve --speculative ngram` or `--draft-model PATH` (here the model itself): the
+    same text with and without the request's opt-out, the drafts in the jinfer timings and the
+    metrics; a non-boolean opt-out is a 400."""
+    path = tiny_model("llama_gqa_untied")[0]
+    drafting = {"ngram": ("--speculative", "ngram"), "draft": ("--draft-model", path)}
+    with running_server(path, *TINY_OPTIONS, *drafting[source]) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
         body = {"model": "tiny", "prompt": "one two one two one two", "max_tokens": 40, "temperature": 0}
         on = client.completions.create(**body, extra_body={"ignore_eos": True}).to_dict()
@@ -276,3 +322,16 @@ def test_server_speculates_unless_a_request_opts_out(tiny_model):
         assert "jinfer_verify_dispatches_total" in metrics and "jinfer_accepted_draft_tokens_total" in metrics
         bad = httpx.post(base + "/v1/completions", json={**body, "speculative": "yes"}, headers=AUTH)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_name_its_source(tiny_model, smollm2_path):
+    path = tiny_model("llama_gqa_untied")[0]
+    with pytest.raises(CheckpointError, match="does not share the vocabulary"):
+        jinfer.LLM(path, draft_model=smollm2_path, **OPTIONS)  # 49152 tokens: enough ids, other tokens
+    with pytest.raises(CheckpointError, match="fewer than"):
+        jinfer.LLM(max_slots=1, max_seq_len=64, draft_model=path)  # 320 tokens for SmolLM2's 49152
+    with pytest.raises(ValueError, match="speculative=draft needs one"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(ValueError, match="a draft model drafts with speculative=draft"):
+        EngineConfig(speculative="ngram", draft_model=path)
+    assert EngineConfig(draft_model=path).speculative == "draft"

@@ -1,0 +1,133 @@
+"""The draft model of speculative decoding (`speculative="draft"`): a smaller model of the
+target's vocabulary whose greedy continuation is what a verify step checks (`jinfer.speculative`).
+
+It keeps a KV cache of its own beside the target's: pages of the same size and numbering, read
+through the same block tables, so whatever the host does with pages (the prefix cache, preemption,
+clearing a page before reuse) holds for both caches at once. The steps carry the two models'
+values as a pair wherever they carry one model's (`WithDraft`: weights, caches), and every pass of
+the target over tokens (`run_model`: prompt chunks, decode steps) is the draft's over the same
+tokens too, so the draft's cache holds every position the target's does. A verify step then drafts
+k tokens a row (`model_drafts`): one-token passes, each feeding the token the pass before chose
+(its argmax, after the row's logit bias), and one more that writes the last draft's K/V.
+
+A draft token is a point mass, so the verify step's rule keeps greedy and seeded outputs exactly
+those of decoding without a draft, whatever the draft model computes: it only decides how many
+tokens a verify step emits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jinfer.config import EngineConfig, ModelConfig
+from jinfer.formats.params import CheckpointError, LoadedModel
+from jinfer.loading import engine_weights, load_model, placement_for
+from jinfer.models import llama
+
+log = logging.getLogger("jinfer.draft")
+
+# Text whose tokens must come out the same from the target's and the draft's tokenizer: letters,
+# digits, punctuation, code, whitespace runs and multi-byte characters.
+VOCABULARY_PROBE = 'The quick brown fox, 1234 times!\n\tdef f(x):\n        return {"ünï": x ** 2}  # 東京 🙂'
+
+
+@struct.dataclass
+class WithDraft:
+    """The target model's value and the draft model's, side by side (their weights, or their KV
+    caches): what the steps carry instead of the target's alone when there is a draft model."""
+
+    target: Any
+    draft: Any
+
+
+def target_of(value):
+    """The target model's part of a carried value (the value itself without a draft model)."""
+    return value.target if isinstance(value, WithDraft) else value
+
+
+def with_target(value, target):
+    """`value` with its target part replaced (`target` itself without a draft model)."""
+    return value.replace(target=target) if isinstance(value, WithDraft) else target
+
+
+def run_model(params, groups, cfg: ModelConfig, cache, tables, *, draft_cfg=None, **attention):
+    """The target's pass over token groups (`llama.forward_groups`): hidden states per group and
+    the cache; with a draft model (`draft_cfg`; params and cache `WithDraft`), the draft's pass over
+    the same tokens writes their K/V into its own cache (its hidden states are not used)."""
+    hidden, target_cache = llama.forward_groups(
+        target_of(params), groups, cfg, target_of(cache), tables, **attention
+    )
+    if draft_cfg is None:
+        return hidden, target_cache
+    _, draft_cache = llama.forward_groups(params.draft, groups, draft_cfg, cache.draft, tables, **attention)
+    return hidden, WithDraft(target_cache, draft_cache)
+
+
+def model_drafts(params, cache, state, tables, active, k: int, *, draft_cfg, vocab: int, **attention):
+    """The draft model's greedy continuation of each row, k tokens [rows, k] (all real where the
+    row is active), and the caches with the draft's K/V written at the row's position .. position
+    + k: k + 1 one-token passes, the last only to write the k-th draft's K/V (were every draft
+    accepted, the target goes on from there)."""
+    rows = active.shape[0]
+
+    def draft_pass(carry, offset):
+        draft_cache, token = carry
+        group = llama.TokenGroup(token[:, None], (state.positions + offset)[:, None], active=active)
+        (hidden,), draft_cache = llama.forward_groups(
+            params.draft, (group,), draft_cfg, draft_cache, tables, **attention
+        )
+        logits = llama.logits(params.draft, hidden[:, 0])[:, :vocab] + state.bias
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (draft_cache, token), token
+
+    offsets = jnp.arange(k + 1, dtype=jnp.int32)
+    (draft_cache, _), chosen = jax.lax.scan(draft_pass, (cache.draft, state.tokens), offsets)
+    drafts = chosen[:k].T  # [rows, k]: the last pass's choice is past what is verified
+    return drafts, jnp.broadcast_to(active[:, None], (rows, k)), cache.replace(draft=draft_cache)
+
+
+def draft_weights(config: EngineConfig, target: LoadedModel, mesh, dtype):
+    """The draft model `config.draft_model` as the engine runs it (`loading.engine_weights`: its
+    padded config and its weights), held as `config.draft_quantization` asks, once it is checked to
+    share the target's vocabulary (a CheckpointError otherwise); (None, None) without one."""
+    if config.draft_model is None:
+        return None, None
+    held = dataclasses.replace(config, quantization=config.draft_quantization)
+    draft = load_model(config.draft_model, quantization=held.quantization, placement=placement_for(config))
+    check_shared_vocabulary(target, draft)
+    log.info("draft model: %s, %d layers", draft.source, draft.config.num_layers)
+    return engine_weights(draft, held, mesh, dtype)
+
+
+def check_shared_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft proposes token ids: they must mean the target's tokens. The draft's logits must
+    cover the target's vocabulary, and where both have tokenizers, those must be of one size and
+    split `VOCABULARY_PROBE` into the same ids."""
+    if draft.config.vocab_size < target.config.vocab_size:
+        raise CheckpointError(
+            f"the draft model {draft.source} has {draft.config.vocab_size} vocabulary entries, fewer "
+            f"than the {target.config.vocab_size} of {target.source}: a draft model must share the "
+            "target's vocabulary"
+        )
+    if target.tokenizer is None or draft.tokenizer is None:
+        return
+    sizes = target.tokenizer.vocab_size, draft.tokenizer.vocab_size
+    probes = target.tokenizer.encode(VOCABULARY_PROBE, False), draft.tokenizer.encode(VOCABULARY_PROBE, False)
+    why = (
+        f"tokenizers of {sizes[1]} and {sizes[0]} tokens"
+        if sizes[0] != sizes[1]
+        else "its tokenizer splits text into other ids"
+        if probes[0] != probes[1]
+        else None
+    )
+    if why:
+        raise CheckpointError(
+            f"the draft model {draft.source} does not share the vocabulary of {target.source} ({why}): "
+            "a draft model must share the target's tokenizer"
+        )
