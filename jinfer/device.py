@@ -9,7 +9,7 @@ and every follower's `Device` makes the same call on its own shards, in the same
 call (the engine's loop and a server scoring a text).
 
     prefill(allowed, chunk) -> out                     decode(rows, attn_len, row_steps, deferred,
-    mixed(rows, attn_len, allowed, row_steps, deferred,       want_logprobs) -> out
+    mixed(rows, attn_len, allowed, row_steps, deferred,       want_logprobs, feed_draft) -> out
           want_logprobs, chunk) -> out, chunk_out      sample(allowed, deferred, want_logprobs) -> out
     verify(rows, attn_len, k, row_steps, drafting, deferred, want_logprobs) -> out, drafted
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
@@ -85,14 +85,15 @@ class Device:
 
         return self._call("prefill", (allowed, chunk), run)
 
-    def decode(self, rows, attn_len, row_steps, deferred, want_logprobs):
+    def decode(self, rows, attn_len, row_steps, deferred, want_logprobs, feed_draft=True):
         def run():
             carried = (self.params, self.cache, self.state, self.tables)
-            decode = self.steps.decode[rows, attn_len]
+            decode = (self.steps.decode if feed_draft else self.steps.decode_without_draft)[rows, attn_len]
             self.cache, self.state, out = decode(*carried, row_steps, deferred, want_logprobs)
             return out
 
-        return self._call("decode", (rows, attn_len, row_steps, deferred, want_logprobs), run)
+        args = (rows, attn_len, row_steps, deferred, want_logprobs, feed_draft)
+        return self._call("decode", args, run)
 
     def mixed(self, rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk):
         def run():
@@ -180,6 +181,8 @@ class Device:
         for rows, attn_len in self.steps.decode:
             out = self.decode(rows, attn_len, *idle(rows))
             out = self.sample(None, np.zeros(rows, bool), np.False_)
+        for rows, attn_len in self.steps.decode_without_draft:
+            out = self.decode(rows, attn_len, *idle(rows), False)
         for rows, attn_len in self.steps.mixed:
             out, _ = self.mixed(rows, attn_len, None, *idle(rows), chunk(layout.mixed_chunk_len(rows)))
         for rows, attn_len, k in self.steps.verify:

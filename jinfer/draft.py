@@ -6,7 +6,9 @@ through the same block tables, so whatever the host does with pages (the prefix 
 clearing a page before reuse) holds for both caches at once. The steps carry the two models'
 values as a pair wherever they carry one model's (`WithDraft`: weights, caches), and every pass of
 the target over tokens (`run_model`: prompt chunks, decode steps) is the draft's over the same
-tokens too, so the draft's cache holds every position the target's does. A verify step then drafts
+tokens too, so the draft's cache holds every position the target's does (except where a batch is
+too large for verifying to pay: there plain steps skip the draft and its requests stop drafting,
+`Speculation.feeds_draft`). A verify step then drafts
 k tokens a row (`model_drafts`): one-token passes, each feeding the token the pass before chose
 (its argmax, after the row's logit bias), and one more that writes the last draft's K/V.
 
@@ -59,12 +61,13 @@ def with_target(value, target):
 def run_model(params, groups, cfg: ModelConfig, cache, tables, *, draft_cfg=None, **attention):
     """The target's pass over token groups (`llama.forward_groups`): hidden states per group and
     the cache; with a draft model (`draft_cfg`; params and cache `WithDraft`), the draft's pass over
-    the same tokens writes their K/V into its own cache (its hidden states are not used)."""
+    the same tokens writes their K/V into its own cache (its hidden states are not used). Without
+    `draft_cfg`, a draft model's cache is left as it is (`Speculation.feeds_draft`)."""
     hidden, target_cache = llama.forward_groups(
         target_of(params), groups, cfg, target_of(cache), tables, **attention
     )
     if draft_cfg is None:
-        return hidden, target_cache
+        return hidden, with_target(cache, target_cache)
     _, draft_cache = llama.forward_groups(params.draft, groups, draft_cfg, cache.draft, tables, **attention)
     return hidden, WithDraft(target_cache, draft_cache)
 

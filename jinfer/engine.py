@@ -71,7 +71,6 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = DTYPES[config.dtype]
         padded_cfg, params = engine_weights(loaded, config, self.mesh, self.dtype)
-        # A draft model (`jinfer.draft`): weights and a cache of its own, paged like the target's.
         draft_cfg, draft_params = draft_weights(config, loaded, self.mesh, self.dtype)
         models = ((padded_cfg, params), (draft_cfg, draft_params))
         per_token = sum(bytes_per_token(cfg, self.dtype) for cfg, _ in models if cfg)
@@ -355,7 +354,8 @@ class Engine:
                 k, drafting = verifying
                 out, drafted = self.device.verify(rows, attn_len, k, row_steps, drafting, *rows_args[1:])
             elif fused is None:
-                out = self.device.decode(rows, attn_len, *rows_args)
+                feed = self.steps.draft_model is None or self.speculation.feeds_draft(rows, owners)
+                out = self.device.decode(rows, attn_len, *rows_args, feed)
             else:
                 chunk = fused.packed(self.layout.mixed_chunk_len(rows), self.steps.vocab_size)
                 out, chunk_out = self.device.mixed(rows, attn_len, allowed, *rows_args, chunk)

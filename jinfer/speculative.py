@@ -218,6 +218,32 @@ class Speculation:
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
 
+    def feeds_draft(self, rows: int, owners: list) -> bool:
+        """Whether a plain dispatch over these rows feeds a draft model (`jinfer.draft`: its cache
+        must hold every position for its drafts to be any good): only where a verify step could
+        pay for them with every drafting request at the prior. Where none could (a batch this
+        large), the dispatch skips the draft's passes, which cost a share of every step, and the
+        requests that drafted stop drafting (the draft's cache now misses positions of theirs)."""
+        speculating = [r for r in owners if r is not None and r.speculative]
+        busy = sum(r is not None for r in owners)
+        prior = [_chances(PRIOR_RECORD)] * len(speculating)
+        if speculating and rows in self.lengths and self._best(rows, busy, prior)[1] > busy:
+            return True
+        for request in speculating:
+            request.speculative = False
+        return False
+
+    def _best(self, rows: int, busy: int, chances: list[tuple[float, float]]) -> tuple[int, float]:
+        """The draft length with the most expected tokens per unit of cost for `busy` rows, those
+        drafting with chances (α, β), and its tokens per cost."""
+
+        def tokens_per_cost(k):
+            drafted = sum(b * sum(a**i for i in range(1, k + 1)) for a, b in chances)
+            return (busy + drafted) / self.cost[rows, k]
+
+        k = max(self.lengths[rows], key=tokens_per_cost)
+        return k, tokens_per_cost(k)
+
     def choose(self, rows: int, owners: list, steps: int) -> tuple[int, np.ndarray] | None:
         """The draft length and the rows [rows] that draft in a dispatch of `steps` decode steps,
         or None for a plain decode dispatch."""
@@ -226,15 +252,10 @@ class Speculation:
             return None
         busy = sum(r is not None for r in owners)
         speculating = [r for r, d in zip(owners, drafting, strict=True) if d]
-        chances = [_chances(r.draft_record or PRIOR_RECORD) for r in speculating]
-
-        def tokens_per_cost(k):
-            return (busy + sum(b * sum(a**i for i in range(1, k + 1)) for a, b in chances)) / self.cost[
-                rows, k
-            ]
-
-        k = max(self.lengths[rows], key=tokens_per_cost)
-        if tokens_per_cost(k) > busy:
+        k, tokens_per_cost = self._best(
+            rows, busy, [_chances(r.draft_record or PRIOR_RECORD) for r in speculating]
+        )
+        if tokens_per_cost > busy:
             return k, drafting
         relax = RELAX**steps
         for r in speculating:
@@ -248,10 +269,13 @@ class Speculation:
     def record(owners: list, tokens: np.ndarray, steps: int, drafted: np.ndarray, counts) -> None:
         """A verify dispatch's results (its tokens [steps x (k + 1), rows], -1 where none was
         emitted; the drafts proposed [steps, rows]) into each request's totals and record, and the
-        engine's `DispatchCounts`."""
+        engine's `DispatchCounts`. Rows that may not draft (opted out, penalised, constrained) take
+        part without a record: their steps are plain ones to them."""
         emitted = (tokens.reshape(steps, -1, tokens.shape[-1]) >= 0).sum(axis=1)  # [steps, rows]
         for row, request in enumerate(owners):
-            for step in np.flatnonzero(emitted[:, row]) if request is not None else ():
+            for step in (
+                np.flatnonzero(emitted[:, row]) if request is not None and request.speculative else ()
+            ):
                 proposed, accepted = int(drafted[step, row]), int(emitted[step, row]) - 1
                 request.drafted_tokens += proposed
                 request.accepted_tokens += accepted

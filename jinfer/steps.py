@@ -304,6 +304,7 @@ class Steps:
     mesh: Mesh
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
+    decode_without_draft: dict[tuple[int, int], callable]  # the same, a draft model's passes skipped
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
     verify: dict[tuple[int, int, int], callable]  # (rows, attn_len, k): `layout.verify_variants`
     sample: callable  # (state, allowed, deferred [rows], want_logprobs) -> state, out: deferred rows
@@ -321,7 +322,8 @@ class Steps:
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        decodes = dict.fromkeys((*self.decode.values(), *self.mixed.values(), *self.verify.values()))
+        programs = (self.decode, self.decode_without_draft, self.mixed, self.verify)
+        decodes = dict.fromkeys(f for verb in programs for f in verb.values())
         verbs = (self.prefill, *decodes, self.sample, self.history, self.clear_pages)
         return sum(f._cache_size() for f in verbs)
 
@@ -369,10 +371,12 @@ def build_steps(
     kernel = layout.attention_kernel
     carried = (cache_shardings, state_shardings)
 
-    def jit_decode(attn_len, kind, k=0):
+    def jit_decode(attn_len, kind, k=0, feed_draft=True):
         """kind: "decode" | "mixed" (a prompt chunk rides along) | "verify" (k draft tokens a row,
-        `jinfer.speculative`)."""
+        `jinfer.speculative`); feed_draft=False: a draft model's passes skipped."""
         options = {"attn_len": attn_len, "attention_kernel": kernel, **common}
+        if not feed_draft:
+            options["draft_cfg"] = None
         steps = dispatch_steps(layout.decode_steps, mixed=kind == "mixed")
         fn = {
             "decode": partial(_decode, steps=steps, **options),
@@ -392,10 +396,10 @@ def build_steps(
             donate_argnums=(1, 2),
         )
 
-    def by_bucket_pair(kind):
+    def by_bucket_pair(kind, feed_draft=True):
         # One jitted function per attention bucket serves every slot bucket (the active mask's
         # length); the dict names each compiled pair so the engine and warm-up agree on them.
-        by_len = {n: jit_decode(n, kind) for n in layout.attention_buckets}
+        by_len = {n: jit_decode(n, kind, feed_draft=feed_draft) for n in layout.attention_buckets}
         return {(rows, n): by_len[n] for n in layout.attention_buckets for rows in layout.slot_buckets}
 
     def verify_variants():
@@ -418,6 +422,7 @@ def build_steps(
             donate_argnums=(1, 2),
         ),
         decode=by_bucket_pair("decode"),
+        decode_without_draft=by_bucket_pair("decode", feed_draft=False) if draft else {},
         mixed=by_bucket_pair("mixed") if layout.mixed_prefill_tokens else {},
         verify=verify_variants(),
         sample=jax.jit(
