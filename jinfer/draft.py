@@ -8,9 +8,9 @@ values as a pair wherever they carry one model's (`WithDraft`: weights, caches),
 the target over tokens (`run_model`: prompt chunks, decode steps) is the draft's over the same
 tokens too, so the draft's cache holds every position the target's does (except where a batch is
 too large for verifying to pay: there plain steps skip the draft and its requests stop drafting,
-`Speculation.feeds_draft`). A verify step then drafts
-k tokens a row (`model_drafts`): one-token passes, each feeding the token the pass before chose
-(its argmax, after the row's logit bias), and one more that writes the last draft's K/V.
+`Speculation.feeds_draft`). A verify step then drafts k tokens a row (`model_drafts`): one-token
+passes, each feeding the token the pass before chose (its argmax, after the row's logit bias), and
+one more that writes the last draft's K/V.
 
 A draft token is a point mass, so the verify step's rule keeps greedy and seeded outputs exactly
 those of decoding without a draft, whatever the draft model computes: it only decides how many
