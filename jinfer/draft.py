@@ -10,7 +10,7 @@ tokens too, so the draft's cache holds every position the target's does (except 
 too large for verifying to pay: there plain steps skip the draft and its requests stop drafting,
 `Speculation.feeds_draft`). A verify step then drafts k tokens a row (`model_drafts`): one-token
 passes, each feeding the token the pass before chose (its argmax, after the row's logit bias), and
-one more that writes the last draft's K/V.
+one more that only writes the last draft's K/V.
 
 A draft token is a point mass, so the verify step's rule keeps greedy and seeded outputs exactly
 those of decoding without a draft, whatever the draft model computes: it only decides how many
@@ -75,23 +75,28 @@ def run_model(params, groups, cfg: ModelConfig, cache, tables, *, draft_cfg=None
 def model_drafts(params, cache, state, tables, active, k: int, *, draft_cfg, vocab: int, **attention):
     """The draft model's greedy continuation of each row, k tokens [rows, k] (all real where the
     row is active), and the caches with the draft's K/V written at the row's position .. position
-    + k: k + 1 one-token passes, the last only to write the k-th draft's K/V (were every draft
-    accepted, the target goes on from there)."""
+    + k: k one-token passes, then one more that only writes the k-th draft's K/V (were every draft
+    accepted, the target goes on from there; its hidden state unused, XLA drops its lm_head)."""
     rows = active.shape[0]
 
-    def draft_pass(carry, offset):
-        draft_cache, token = carry
+    def draft_pass(draft_cache, token, offset):
         group = llama.TokenGroup(token[:, None], (state.positions + offset)[:, None], active=active)
         (hidden,), draft_cache = llama.forward_groups(
             params.draft, (group,), draft_cfg, draft_cache, tables, **attention
         )
-        logits = llama.logits(params.draft, hidden[:, 0])[:, :vocab] + state.bias
+        return hidden[:, 0], draft_cache
+
+    def drafting_pass(carry, offset):
+        draft_cache, token = carry
+        hidden, draft_cache = draft_pass(draft_cache, token, offset)
+        logits = llama.logits(params.draft, hidden)[:, :vocab] + state.bias
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (draft_cache, token), token
 
-    offsets = jnp.arange(k + 1, dtype=jnp.int32)
-    (draft_cache, _), chosen = jax.lax.scan(draft_pass, (cache.draft, state.tokens), offsets)
-    drafts = chosen[:k].T  # [rows, k]: the last pass's choice is past what is verified
+    offsets = jnp.arange(k, dtype=jnp.int32)
+    (draft_cache, last), chosen = jax.lax.scan(drafting_pass, (cache.draft, state.tokens), offsets)
+    _, draft_cache = draft_pass(draft_cache, last, k)
+    drafts = chosen.T  # [rows, k]
     return drafts, jnp.broadcast_to(active[:, None], (rows, k)), cache.replace(draft=draft_cache)
 
 

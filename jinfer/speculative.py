@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.draft import model_drafts, target_of, with_target
+from jinfer.draft import model_drafts, run_model, target_of
 from jinfer.models import llama
 from jinfer.sampling import pick
 from jinfer.state import SlotState, sample_rows, scan_rows
@@ -135,12 +135,9 @@ def verify_step(
     tokens = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
     positions = state.positions[:, None] + jnp.arange(k + 1)[None, :]
     group = llama.TokenGroup(tokens, positions, active=active)
-    target = target_of(params)
-    (hidden,), target_cache = llama.forward_groups(
-        target, (group,), cfg, target_of(cache), tables, **attention
-    )
-    cache = with_target(cache, target_cache)
-    logits = llama.logits(target, hidden)[..., :vocab]  # [rows, k + 1, V]
+    # The target's pass only: the draft model (if any) wrote its K/V while drafting.
+    (hidden,), cache = run_model(params, (group,), cfg, cache, tables, **attention)
+    logits = llama.logits(target_of(params), hidden)[..., :vocab]  # [rows, k + 1, V]
     first = logits[:, 0]
     kept = jax.lax.cond(
         jnp.any(deferred), lambda: jnp.where(deferred[:, None], first, state.logits), lambda: state.logits
