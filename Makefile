@@ -7,7 +7,7 @@ PROMPT ?= What is the capital of France?
 
 PORT ?= 8000
 
-.PHONY: setup serve generate test test-fast lint bench
+.PHONY: setup serve generate browser test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,7 +25,11 @@ serve: setup
 generate: setup
 	$(VENV)/bin/jinfer generate --chat --prompt "$(PROMPT)"
 
-test: setup
+# The chat page's tests drive a real Chromium (Debian's chromium + chromium-driver).
+browser:
+	bash scripts/install_browser.sh
+
+test: setup browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 

@@ -7,8 +7,9 @@ TOML presets, `LLM(**options)`) offers the same ones with the same defaults.
     given(args, Cls)                       the fields set on the command line
     read_toml(path_or_preset)              a TOML file, or a preset shipped in jinfer/presets
 
-Flags parse by the field's annotation: int, float, str, bool (true/false, on/off), `bool | None`
-(also "auto"), tuples of ints (comma-separated), and `X | None` for the optional ones.
+Flags parse by the field's annotation: int, float, str, bool (true/false, on/off; a plain bool
+also takes `--no-field-name` for off), `bool | None` (also "auto"), tuples of ints
+(comma-separated), and `X | None` for the optional ones.
 """
 
 from __future__ import annotations
@@ -99,13 +100,18 @@ def add_flags(
         default = (defaults or {}).get(f.name, f.default)
         auto = default is None and (parse is on_off_auto or "auto:" in f.metadata["doc"])
         shown = "auto" if auto else _show(default)
+        flag = "--" + f.name.replace("_", "-")
         group.add_argument(
-            "--" + f.name.replace("_", "-"),
+            flag,
             type=parse,
             default=None,
             metavar=f.name.upper(),
             help=f"{f.metadata['doc']} (default: {shown})",
         )
+        if parse is on_off:
+            group.add_argument(
+                "--no-" + flag[2:], dest=f.name, action="store_const", const=False, help=argparse.SUPPRESS
+            )
 
 
 def given(args: argparse.Namespace, cls) -> dict[str, Any]:

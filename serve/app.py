@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (stream=true: Server-Sent Events)
     GET  /v1/models      POST /tokenize, /detokenize
+    GET  /               the chat page (serve/webpage.py; off with --no-web-ui)
     GET  /health (liveness)   /ready (503 while warming up or draining)   /metrics (Prometheus)
     WS   /v1/ws          two-way streaming: send requests, receive token events, cancel any time
 
@@ -40,24 +41,25 @@ from .responses import ResponseWriter, now, usage
 from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
 from .tokens import detokenize, tokenize
+from .webpage import PAGE_FILES, page_routes
 
 log = logging.getLogger("jinfer.serve")
 
 
-OPEN_PATHS = {b"/health", b"/ready"}  # exact raw paths that need no API key
+OPEN_PATHS = {b"/health", b"/ready"}  # exact raw paths that need no API key (and the chat page's)
 
 
 class AuthMiddleware:
     """Bearer-key check on the raw request path, before routing: `//x` or `/a/../b` never bypass it."""
 
-    def __init__(self, app, keys: tuple[str, ...]):
-        self.app, self.keys = app, [k.encode() for k in keys]
+    def __init__(self, app, keys: tuple[str, ...], open_paths: set[bytes]):
+        self.app, self.keys, self.open_paths = app, [k.encode() for k in keys], open_paths
 
     async def __call__(self, scope, receive, send):
         if not self.keys or scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         raw = scope.get("raw_path") or scope["path"].encode()
-        if raw.split(b"?", 1)[0] in OPEN_PATHS or self._authorized(scope):
+        if raw.split(b"?", 1)[0] in self.open_paths or self._authorized(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
@@ -425,12 +427,16 @@ def build_app(
         Route("/responses", api.responses, methods=["POST"]),
         WebSocketRoute("/v1/ws", api.websocket),
     ]
+    open_paths = set(OPEN_PATHS)
+    if settings.web_ui:
+        routes += page_routes()
+        open_paths |= {path.encode() for path in PAGE_FILES}
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected},
     )
-    app.add_middleware(AuthMiddleware, keys=api_keys)
+    app.add_middleware(AuthMiddleware, keys=api_keys, open_paths=open_paths)
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no key
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
         methods, headers = ["GET", "POST", "OPTIONS"], ["Authorization", "Content-Type", "X-API-Key"]

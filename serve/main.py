@@ -124,9 +124,10 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             log.info(
-                "listening on %s (API key %s); /ready answers 503 until warm",
+                "listening on %s (API key %s%s); /ready answers 503 until warm",
                 self.url,
                 "on" if self.api.api_keys else "off",
+                f"; chat page: {self.url}/" if self.api.settings.web_ui else "",
             )
 
     def handle_exit(self, sig, frame) -> None:

@@ -29,6 +29,7 @@ class ServerConfig:
     cors_origins: str | None = setting(
         None, "browser origins allowed to call the API, comma-separated ('*': any); unset: none (no CORS)"
     )
+    web_ui: bool = setting(True, "serve the chat page at / (--no-web-ui: off)")
     log_level: str = setting("info", "logging level")
 
     def __post_init__(self):

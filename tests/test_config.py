@@ -128,6 +128,8 @@ def test_settings_resolve_defaults_then_model_preset_then_config_then_flags(tmp_
     assert (server.served_model_name, engine.max_slots, engine.packed_weights) == ("mine", 2, False)
     assert sampling == {"temperature": 0.5}
     assert _resolve("--packed-weights", "auto")[1].packed_weights is None
+    assert _resolve()[0].web_ui and not _resolve("--no-web-ui")[0].web_ui  # a plain bool's --no-x
+    assert not _resolve("--web-ui", "off")[0].web_ui and not _resolve("--no-prefix-caching")[1].prefix_caching
     config.write_text("max_slotz = 4\n")
     with pytest.raises(ValueError, match=r"unknown options \['max_slotz'\]"):
         _resolve("--config", str(config))

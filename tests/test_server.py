@@ -590,20 +590,3 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model, tmp_path):
         assert results["endless"] == "abort"
         assert max(results["sizes"]) > 1 and all(n <= 4 for n in results["sizes"])
         assert proc.wait(timeout=60) == 0
-
-
-@pytest.mark.slow
-def test_smollm2_answers_through_the_openai_client(smollm2_path):
-    options = ["--served-model-name", "smollm2", "--max-slots", "2", "--max-seq-len", "512"]
-    with running_server(smollm2_path, *options, "--prefill-buckets", "64,128") as (base, _):
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
-        answer = client.chat.completions.create(
-            model="smollm2", messages=messages, max_tokens=30, temperature=0
-        )
-        assert "Paris" in answer.choices[0].message.content
-        assert answer.choices[0].finish_reason == "stop"
-        stream = client.chat.completions.create(
-            model="smollm2", messages=messages, max_tokens=30, temperature=0, stream=True
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in stream) == answer.choices[0].message.content
