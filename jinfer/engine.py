@@ -131,14 +131,8 @@ class Engine:
         if self.cluster is not None and self.cluster.leader:
             self.device.publish = self.cluster.publish
             self.cluster.lead(repr(layout), self.fail_all)
-        log.info(
-            "engine: %d slots, sequences up to %d positions, mesh data=%d model=%d; weights %s",
-            layout.max_slots,
-            layout.max_seq_len,
-            layout.mesh_data,
-            layout.mesh_model,
-            quantized.describe_held(params),
-        )
+        held = quantized.describe_held(params)  # slots and sequence length: in the pool's line
+        log.info("engine: mesh data=%d model=%d; weights %s", layout.mesh_data, layout.mesh_model, held)
         log.info("engine: %s", layout.describe_pool(per_token))
         log.info("engine: %s", layout.describe())
 
@@ -261,9 +255,9 @@ class Engine:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        while self._thread is not None and self._thread.is_alive() and self.failure is None:
+            self._thread.join(1.0)  # a failed engine's thread may wait forever on a dead process
+        self._thread = None
 
     def _run(self) -> None:
         while True:
@@ -303,8 +297,7 @@ class Engine:
             self.step()
 
     def _dispatch(self, plan: Plan) -> list:
-        dispatched = []
-        counts = self.dispatch_counts
+        dispatched, counts = [], self.dispatch_counts
         if self._tables_version != self.kv.version:
             # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
             self.device.set_tables(self.kv.tables.copy())
@@ -419,6 +412,8 @@ class Engine:
     def _commit(self, owners: list[Request | None], out, verified: tuple | None) -> None:
         """Hand a dispatch's tokens to the scheduler (`verified`: a verify dispatch's decode steps
         and the draft tokens proposed [steps, rows], whose acceptance is recorded first)."""
+        if self.failure is not None:  # read nothing more: a collective with a dead process may never end
+            return
         want_logprobs = any(r is not None and r.sampling.logprobs is not None for r in owners)
         # Only what the requests use crosses to the host: each array fetched costs host time.
         wanted = [out.tokens, out.bad] + (
@@ -432,9 +427,8 @@ class Engine:
             self._recover([r for r in owners if r is not None], e)
             return
         logprobs = dict(zip(("logprobs", "top_ids", "top_logprobs"), extra, strict=True)) if extra else None
-        steps = None
+        steps = None if verified is None else verified[0]
         if verified is not None:  # its requests' acceptance first: their final metrics include it
-            steps = verified[0]
             Speculation.record(owners, tokens, steps, np.asarray(verified[1]), self.dispatch_counts)
         with self._lock:
             committed = self.scheduler.commit(owners, tokens, bad, logprobs, steps)

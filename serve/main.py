@@ -221,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     host = f"[{server.host}]" if ":" in server.host else server.host
     DrainingServer(config, api, f"http://{host}:{sock.getsockname()[1]}").run(sockets=[sock])
+    if member is not None and engine.failure is not None:
+        # A process of the cluster is gone, and a computation dispatched before that may wait on it
+        # in a collective forever: the interpreter's teardown would wait with it. Tell the live
+        # followers to stop, then leave without the teardown.
+        member.stop()
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 
