@@ -215,6 +215,12 @@ def test_answers_stream_in_and_equal_the_openai_clients_greedy_answers(page, ser
     assert len(streaming) >= 3, "the answers did not grow on screen before they were done"
     page.screenshot("webpage-answer.png")
 
+    page.open(fresh=False)  # a reload shows the conversation again
+    wait_for(lambda: len(page.answers()) == 2, "the conversation after a reload")
+    assert [a["text"] for a in page.answers()] == [first["text"], second["text"]]
+    page.find("new-chat").click()
+    assert page.answers() == [] and page.conversation() == []
+
 
 @pytest.mark.slow
 def test_stop_cancels_the_stream_and_frees_the_slot(page, server):
