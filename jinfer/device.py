@@ -8,10 +8,11 @@ and every follower's `Device` makes the same call on its own shards, in the same
 `replay`. The lock keeps the order of calls and the order of messages the same when two threads
 call (the engine's loop and a server scoring a text).
 
-    prefill(allowed, chunk) -> out                     decode(rows, attn_len, row_steps, deferred,
-    mixed(rows, attn_len, allowed, row_steps, deferred,       want_logprobs, feed_draft) -> out
-          want_logprobs, chunk) -> out, chunk_out      sample(allowed, deferred, want_logprobs) -> out
+    prefill(allowed, chunk, feed_draft) -> out
+    decode(rows, attn_len, row_steps, deferred, want_logprobs, feed_draft) -> out
+    mixed(rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft) -> out, chunk_out
     verify(rows, attn_len, k, row_steps, drafting, deferred, want_logprobs) -> out, drafted
+    sample(allowed, deferred, want_logprobs) -> out
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
 
 `allowed` is the [slots, W] bitmask of a dispatch with constrained rows, None without.
@@ -77,34 +78,36 @@ class Device:
         return self.steps.unconstrained if allowed is None else self.steps.put_allowed(allowed)
 
     # -------------------------------------------------------------------------------- verbs
-    def prefill(self, allowed, chunk):
+    def prefill(self, allowed, chunk, feed_draft=True):
         def run():
             carried = (self.params, self.cache, self.state, self.tables)
-            self.cache, self.state, out = self.steps.prefill(*carried, self._allowed(allowed), chunk)
+            prefill = self.steps.program("prefill", feed_draft)
+            self.cache, self.state, out = prefill(*carried, self._allowed(allowed), chunk)
             return out
 
-        return self._call("prefill", (allowed, chunk), run)
+        return self._call("prefill", (allowed, chunk, feed_draft), run)
 
     def decode(self, rows, attn_len, row_steps, deferred, want_logprobs, feed_draft=True):
         def run():
             carried = (self.params, self.cache, self.state, self.tables)
-            decode = (self.steps.decode if feed_draft else self.steps.decode_without_draft)[rows, attn_len]
+            decode = self.steps.program("decode", feed_draft)[rows, attn_len]
             self.cache, self.state, out = decode(*carried, row_steps, deferred, want_logprobs)
             return out
 
         args = (rows, attn_len, row_steps, deferred, want_logprobs, feed_draft)
         return self._call("decode", args, run)
 
-    def mixed(self, rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk):
+    def mixed(self, rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft=True):
         def run():
             carried = (self.params, self.cache, self.state, self.tables)
-            mixed = self.steps.mixed[rows, attn_len]
+            mixed = self.steps.program("mixed", feed_draft)[rows, attn_len]
             self.cache, self.state, out, chunk_out = mixed(
                 *carried, self._allowed(allowed), row_steps, deferred, want_logprobs, chunk
             )
             return out, chunk_out
 
-        return self._call("mixed", (rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk), run)
+        args = (rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft)
+        return self._call("mixed", args, run)
 
     def verify(self, rows, attn_len, k, row_steps, drafting, deferred, want_logprobs):
         def run():
@@ -176,15 +179,15 @@ class Device:
             np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False
         )
         idle = lambda rows: (np.zeros(rows, np.int32), np.zeros(rows, bool), np.False_)
-        for size in layout.prefill_buckets:
-            out = self.prefill(None, chunk(size))
-        for rows, attn_len in self.steps.decode:
-            out = self.decode(rows, attn_len, *idle(rows))
-            out = self.sample(None, np.zeros(rows, bool), np.False_)
-        for rows, attn_len in self.steps.decode_without_draft:
-            out = self.decode(rows, attn_len, *idle(rows), False)
-        for rows, attn_len in self.steps.mixed:
-            out, _ = self.mixed(rows, attn_len, None, *idle(rows), chunk(layout.mixed_chunk_len(rows)))
+        for feed_draft in (True, False) if self.steps.draft_model else (True,):
+            for size in layout.prefill_buckets:
+                out = self.prefill(None, chunk(size), feed_draft)
+            for rows, attn_len in self.steps.decode:
+                out = self.decode(rows, attn_len, *idle(rows), feed_draft)
+                out = self.sample(None, np.zeros(rows, bool), np.False_)
+            for rows, attn_len in self.steps.mixed:
+                mixed_chunk = chunk(layout.mixed_chunk_len(rows))
+                out, _ = self.mixed(rows, attn_len, None, *idle(rows), mixed_chunk, feed_draft)
         for rows, attn_len, k in self.steps.verify:
             row_steps, deferred, logprobs = idle(rows)
             out, _ = self.verify(rows, attn_len, k, row_steps, deferred, deferred, logprobs)

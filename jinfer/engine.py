@@ -308,7 +308,8 @@ class Engine:
             size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
             try:
                 self._set_history(work)
-                out = self.device.prefill(allowed, work.packed(size, self.steps.vocab_size))
+                feed = work.request.speculative and self._feeds_draft()  # else its draft cache stays unfed
+                out = self.device.prefill(allowed, work.packed(size, self.steps.vocab_size), feed)
             except Exception as e:  # a device failure must not kill the engine
                 self._recover([work.request], e)
                 continue
@@ -347,11 +348,12 @@ class Engine:
                 k, drafting = verifying
                 out, drafted = self.device.verify(rows, attn_len, k, row_steps, drafting, *rows_args[1:])
             elif fused is None:
-                feed = self.steps.draft_model is None or self.speculation.feeds_draft(rows, owners)
-                out = self.device.decode(rows, attn_len, *rows_args, feed)
+                out = self.device.decode(rows, attn_len, *rows_args, self._feeds_draft())
             else:
                 chunk = fused.packed(self.layout.mixed_chunk_len(rows), self.steps.vocab_size)
-                out, chunk_out = self.device.mixed(rows, attn_len, allowed, *rows_args, chunk)
+                out, chunk_out = self.device.mixed(
+                    rows, attn_len, allowed, *rows_args, chunk, self._feeds_draft()
+                )
         except Exception as e:
             self._recover(running + ([fused.request] if fused is not None else []), e)
             return dispatched
@@ -394,6 +396,10 @@ class Engine:
             return
         self.dispatch_counts.sample_dispatches += 1
         self._pending.append((owners, out, None))
+
+    def _feeds_draft(self) -> bool:
+        slots, bucket = self.scheduler.slots, self.layout.slot_bucket
+        return self.steps.draft_model is None or self.speculation.feeds_draft(slots, bucket)
 
     def _set_history(self, work: PrefillWork) -> None:
         """Before a penalised or speculative request's first chunk: its slot's prompt mask, output

@@ -215,12 +215,16 @@ class Speculation:
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
 
-    def feeds_draft(self, rows: int, owners: list) -> bool:
-        """Whether a plain dispatch over these rows feeds a draft model (`jinfer.draft`: its cache
-        must hold every position for its drafts to be any good): only where a verify step could
-        pay for them with every drafting request at the prior. Where none could (a batch this
-        large), the dispatch skips the draft's passes, which cost a share of every step, and the
-        requests that drafted stop drafting (the draft's cache now misses positions of theirs)."""
+    def feeds_draft(self, holders: list, slot_bucket) -> bool:
+        """Whether a dispatch that is not a verify step (prompt chunks, plain and mixed decode
+        steps) feeds a draft model (`jinfer.draft`: its cache must hold every position for its
+        drafts to be any good): only where a verify step could pay for the batch of every slot's
+        holder (`slot_bucket`: the rows for the highest busy slot + 1) with every drafting request
+        at the prior. Where none could (a batch this large), the dispatch skips the draft's passes,
+        which cost a share of every token, and the requests that drafted stop drafting (the draft's
+        cache now misses positions of theirs)."""
+        rows = slot_bucket(max(slot for slot, r in enumerate(holders) if r is not None) + 1)
+        owners = holders[:rows]
         speculating = [r for r in owners if r is not None and r.speculative]
         busy = sum(r is not None for r in owners)
         prior = [_chances(PRIOR_RECORD)] * len(speculating)

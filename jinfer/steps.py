@@ -24,11 +24,12 @@ host's block tables [slots, max_pages] (not donated: the host re-uploads them wh
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
-  verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted
-      Decode steps that each verify k draft tokens a row (`jinfer.speculative`).
+  verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted:
+      decode steps that each verify k draft tokens a row (`jinfer.speculative`).
 
-With a draft model (`jinfer.draft`) the weights and the cache are both models' (`WithDraft`), and
-every verb's pass over tokens writes the draft's K/V as well as the target's.
+With a draft model (`jinfer.draft`) the weights and the cache are both models' (`WithDraft`), every
+pass over tokens writes the draft's K/V too, and prefill, decode and mixed also come without the
+draft's passes (`Steps.program`), for batches no verify step could pay for.
 
 Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask, output-token
 counts (what the penalties read) and token history (where drafts are looked up) from the tokens
@@ -52,10 +53,9 @@ the host has its bitmask (dispatched while the decode before still runs, ahead o
 
 Prefill and the mixed chunk sample their request's first token under `allowed` [slots,
 ceil(V / 32)] int32 too (each slot's allowed-token bitmask; all bits set for a slot without a
-constraint), applied only when some row is constrained (`lax.cond`).
-
-Only int32 tokens, per-slot flags and (when asked) log-probs leave the device; the engine reads
-them one iteration late so the host overlaps the device.
+constraint), applied only when some row is constrained (`lax.cond`). Only int32 tokens, per-slot
+flags and (when asked) log-probs leave the device; the engine reads them one iteration late so the
+host overlaps the device.
 """
 
 from __future__ import annotations
@@ -248,29 +248,18 @@ def _mixed(
     packed: PackedChunk,
     *,
     vocab,
-    **step_options,
+    **options,
 ):
     """One decode step for slots 0..rows-1 (those with row_steps > 0; deferred ones unsampled) that
     also prefills a prompt chunk into another slot, its token sampled under `allowed`: the cache,
     the state, the decode output [1, rows] and the chunk's output [1, 1]."""
     chunk = packed.unpack()
-    rows = row_steps.shape[0]
-    cache, rows_state, out, chunk_logits = _decode_step(
-        params,
-        cache,
-        rows_of(state, rows),
-        tables,
-        row_steps > 0,
-        deferred,
-        want_logprobs,
-        chunk,
-        vocab=vocab,
-        **step_options,
+    part = rows_of(state, row_steps.shape[0])
+    cache, part, out, chunk_logits = _decode_step(
+        params, cache, part, tables, row_steps > 0, deferred, want_logprobs, chunk, vocab=vocab, **options
     )
-    state = put_rows(state, rows_state)
-    state, chunk_out = _start_slot(
-        state, chunk, chunk_logits, allowed, vocab
-    )  # after the decode rows' update
+    state = put_rows(state, part)  # before the chunk's slot starts: it is not among the rows
+    state, chunk_out = _start_slot(state, chunk, chunk_logits, allowed, vocab)
     return cache, state, jax.tree.map(lambda x: x[None], out), chunk_out
 
 
@@ -304,8 +293,9 @@ class Steps:
     mesh: Mesh
     prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
     decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
-    decode_without_draft: dict[tuple[int, int], callable]  # the same, a draft model's passes skipped
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
+    # With a draft model, "prefill", "decode" and "mixed" again with its passes skipped; else empty.
+    without_draft: dict[str, object]
     verify: dict[tuple[int, int, int], callable]  # (rows, attn_len, k): `layout.verify_variants`
     sample: callable  # (state, allowed, deferred [rows], want_logprobs) -> state, out: deferred rows
     history: callable  # (state, [slot, prompt length, length, tokens...]) -> state
@@ -320,11 +310,18 @@ class Steps:
     attention_buckets = property(lambda self: self.layout.attention_buckets)
     attention_bucket = property(lambda self: self.layout.attention_bucket)
 
+    def program(self, verb: str, feed_draft: bool = True):
+        """The jitted `verb` ("prefill", "decode", "mixed"), skipping a draft model's passes
+        unless `feed_draft` (`Speculation.feeds_draft`)."""
+        return getattr(self, verb) if feed_draft or self.draft_model is None else self.without_draft[verb]
+
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        programs = (self.decode, self.decode_without_draft, self.mixed, self.verify)
-        decodes = dict.fromkeys(f for verb in programs for f in verb.values())
-        verbs = (self.prefill, *decodes, self.sample, self.history, self.clear_pages)
+        skipping = self.without_draft
+        pairs = (self.decode, self.mixed, self.verify, skipping.get("decode", {}), skipping.get("mixed", {}))
+        decodes = dict.fromkeys(f for verb in pairs for f in verb.values())
+        prefills = [self.prefill, *([skipping["prefill"]] if skipping else [])]
+        verbs = (*prefills, *decodes, self.sample, self.history, self.clear_pages)
         return sum(f._cache_size() for f in verbs)
 
     def new_cache(self, dtype):
@@ -367,16 +364,15 @@ def build_steps(
     pools = lambda cfg: KVCache(k=(cache_sharding,) * cfg.num_layers, v=(cache_sharding,) * cfg.num_layers)
     cache_shardings = pools(model) if draft is None else WithDraft(pools(model), pools(draft))
     state_shardings = slot_state_shardings(mesh)
-    common = {"cfg": model, "vocab": vocab_size, "draft_cfg": draft}
+    # The models every verb runs: the draft model only where it is fed.
+    model_options = lambda feed: {"cfg": model, "vocab": vocab_size, "draft_cfg": draft if feed else None}
     kernel = layout.attention_kernel
     carried = (cache_shardings, state_shardings)
 
     def jit_decode(attn_len, kind, k=0, feed_draft=True):
         """kind: "decode" | "mixed" (a prompt chunk rides along) | "verify" (k draft tokens a row,
         `jinfer.speculative`); feed_draft=False: a draft model's passes skipped."""
-        options = {"attn_len": attn_len, "attention_kernel": kernel, **common}
-        if not feed_draft:
-            options["draft_cfg"] = None
+        options = {"attn_len": attn_len, "attention_kernel": kernel, **model_options(feed_draft)}
         steps = dispatch_steps(layout.decode_steps, mixed=kind == "mixed")
         fn = {
             "decode": partial(_decode, steps=steps, **options),
@@ -402,6 +398,17 @@ def build_steps(
         by_len = {n: jit_decode(n, kind, feed_draft=feed_draft) for n in layout.attention_buckets}
         return {(rows, n): by_len[n] for n in layout.attention_buckets for rows in layout.slot_buckets}
 
+    def token_verbs(feed_draft=True):
+        """prefill, decode and mixed, with a draft model's passes or without them."""
+        prefill = jax.jit(
+            partial(_prefill, **model_options(feed_draft)),
+            in_shardings=(param_shardings, *carried, replicated, by_slot, replicated),
+            out_shardings=(*carried, replicated),
+            donate_argnums=(1, 2),
+        )
+        mixed = by_bucket_pair("mixed", feed_draft) if layout.mixed_prefill_tokens else {}
+        return {"prefill": prefill, "decode": by_bucket_pair("decode", feed_draft), "mixed": mixed}
+
     def verify_variants():
         # One jitted function per (attention bucket, draft length) serves every slot bucket.
         lengths = sorted({k for _, k in layout.verify_variants})
@@ -415,15 +422,8 @@ def build_steps(
         layout=layout,
         vocab_size=vocab_size,
         mesh=mesh,
-        prefill=jax.jit(
-            partial(_prefill, **common),
-            in_shardings=(param_shardings, *carried, replicated, by_slot, replicated),
-            out_shardings=(*carried, replicated),
-            donate_argnums=(1, 2),
-        ),
-        decode=by_bucket_pair("decode"),
-        decode_without_draft=by_bucket_pair("decode", feed_draft=False) if draft else {},
-        mixed=by_bucket_pair("mixed") if layout.mixed_prefill_tokens else {},
+        **token_verbs(),
+        without_draft=token_verbs(feed_draft=False) if draft else {},
         verify=verify_variants(),
         sample=jax.jit(
             _sample,

@@ -105,9 +105,10 @@ def test_the_policy_verifies_where_expected_tokens_outgrow_the_cost():
     # A draft model is fed by plain steps only where a verify step could pay at the prior; where
     # none could, its requests stop drafting.
     alone, crowd = Row(speculative=True, draft_record=None), [Row(speculative=True, draft_record=None)] * 8
-    assert policy.feeds_draft(1, [alone]) and alone.speculative
-    assert not policy.feeds_draft(16, [*crowd, *[None] * 8]) and not crowd[0].speculative
-    assert not policy.feeds_draft(32, [alone]) and not alone.speculative  # no verify variant at 32
+    bucket = lambda busy: next(b for b in (1, 4, 16, 32) if b >= busy)
+    assert policy.feeds_draft([alone, *[None] * 31], bucket) and alone.speculative
+    assert not policy.feeds_draft([*crowd, *[None] * 24], bucket) and not crowd[0].speculative
+    assert not policy.feeds_draft([*[None] * 31, alone], bucket) and not alone.speculative  # none at 32
 
 
 def test_layout_compiles_draft_lengths_within_the_kernels_columns(tiny_model):
@@ -211,24 +212,27 @@ def test_stops_and_max_tokens_exact_when_several_tokens_land_in_a_step(pair, spe
     assert on.engine.dispatch_counts.accepted_tokens > 0
 
 
-def test_a_crowd_where_verifying_cannot_pay_decodes_without_the_draft(pair, speculating, monkeypatch):
-    """Plain dispatches over a crowd no verify step could pay for skip the draft model's passes;
-    its requests stop drafting (their draft cache misses those positions) and every token is still
-    what decoding without speculation gives; requests alone later draft again."""
+def test_a_crowd_where_verifying_cannot_pay_runs_without_the_draft(pair, speculating, monkeypatch):
+    """Prompt chunks and plain dispatches in a batch no verify step could pay for skip the draft
+    model's passes; its requests stop drafting (their draft cache misses those positions) and every
+    token is still what decoding without speculation gives; requests alone later draft again."""
     off, on = pair[0], speculating["draft-self"]
     policy, device = on.engine.speculation, on.engine.device
     on.engine.warmup()
     compiled = on.engine.compile_count()
     monkeypatch.setattr(policy, "cost", {key: 100.0 if key[0] == 4 else 1.1 for key in policy.cost})
-    fed = []
-    decode = device.decode
-    monkeypatch.setattr(device, "decode", lambda *args: fed.append(args[-1]) or decode(*args))
+    fed = {"prefill": [], "decode": []}
+    for verb, calls in fed.items():
+        call = getattr(device, verb)
+        monkeypatch.setattr(
+            device, verb, lambda *args, call=call, calls=calls: calls.append(args[-1]) or call(*args)
+        )
     crowd = [_cotenant(seed) for seed in range(5)] + [(_repeating(9, 30), GREEDY)] * 2
     prompts, samplings = (list(column) for column in zip(*crowd, strict=True))
     assert [r.token_ids for r in on.generate(prompts, samplings)] == [
         r.token_ids for r in off.generate(prompts, samplings)
     ]
-    assert False in fed
+    assert False in fed["decode"] and False in fed["prefill"]
     (alone,) = on.generate([_repeating(9, 30)], GREEDY)
     assert alone.metrics["accepted_tokens"] == alone.metrics["draft_tokens"] > 0
     assert on.engine.compile_count() == compiled  # the warm-up compiled decoding without the draft
