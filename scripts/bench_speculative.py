@@ -18,7 +18,8 @@ of the paired ratios, lowest and highest), draft tokens accepted / proposed, tok
 step, and the share of decode dispatches that verified. The engines' verify cost table (a verify
 step's time over a decode step's, measured at warm-up) is printed per model.
 
-    python scripts/bench_speculative.py [--rounds 3] [--tokens 128] [--slots 1,8,32] [--out results]
+    python scripts/bench_speculative.py [--rounds 3] [--tokens 128] [--slots 1,8,32]
+        [--weights q4_1,float32] [--out results]
 
 Writes results/bench_speculative.{json,md}.
 """
@@ -136,6 +137,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--slots", default="1,8,32")
+    parser.add_argument("--weights", default="q4_1,float32", help="which of q4_1, float32 to measure")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     slot_counts = [int(s) for s in args.slots.split(",")]
@@ -149,7 +151,7 @@ def main() -> int:
         ("q4_1", {}, {"ngram": {"speculative": "ngram"}}),
         ("float32", {"quantization": "none"}, {"ngram": {"speculative": "ngram"}, "draft": draft}),
     )
-    for weights, options, modes in setups:
+    for weights, options, modes in (setup for setup in setups if setup[0] in args.weights.split(",")):
         engines = {}
         for mode, settings in {"off": {}, **modes}.items():
             llm = jinfer.LLM(max_slots=max(slot_counts), max_seq_len=1024, **settings, **options)
