@@ -24,8 +24,8 @@ host's block tables [slots, max_pages] (not donated: the host re-uploads them wh
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
-  verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted:
-      decode steps that each verify k draft tokens a row (`jinfer.speculative`).
+  verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted
+      Decode steps that each verify k draft tokens a row (`jinfer.speculative`).
 
 With a draft model (`jinfer.draft`) the weights and the cache are both models' (`WithDraft`), every
 pass over tokens writes the draft's K/V too, and prefill, decode and mixed also come without the
