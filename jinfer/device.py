@@ -184,10 +184,11 @@ class Device:
                 out = self.prefill(None, chunk(size), feed_draft)
             for rows, attn_len in self.steps.decode:
                 out = self.decode(rows, attn_len, *idle(rows), feed_draft)
-                out = self.sample(None, np.zeros(rows, bool), np.False_)
             for rows, attn_len in self.steps.mixed:
                 mixed_chunk = chunk(layout.mixed_chunk_len(rows))
                 out, _ = self.mixed(rows, attn_len, None, *idle(rows), mixed_chunk, feed_draft)
+        for rows in layout.slot_buckets:  # one sample program per slot bucket
+            out = self.sample(None, np.zeros(rows, bool), np.False_)
         for rows, attn_len, k in self.steps.verify:
             row_steps, deferred, logprobs = idle(rows)
             out, _ = self.verify(rows, attn_len, k, row_steps, deferred, deferred, logprobs)

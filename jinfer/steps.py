@@ -317,12 +317,13 @@ class Steps:
 
     def compile_count(self) -> int:
         """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        skipping = self.without_draft
-        pairs = (self.decode, self.mixed, self.verify, skipping.get("decode", {}), skipping.get("mixed", {}))
-        decodes = dict.fromkeys(f for verb in pairs for f in verb.values())
-        prefills = [self.prefill, *([skipping["prefill"]] if skipping else [])]
-        verbs = (*prefills, *decodes, self.sample, self.history, self.clear_pages)
-        return sum(f._cache_size() for f in verbs)
+        verbs = (self.prefill, self.decode, self.mixed, self.verify, *self.without_draft.values())
+        verbs += (self.sample, self.history, self.clear_pages)
+        # A dict of bucket variants shares one jitted function between keys: count each once.
+        jitted = dict.fromkeys(
+            f for verb in verbs for f in (verb.values() if isinstance(verb, dict) else [verb])
+        )
+        return sum(f._cache_size() for f in jitted)
 
     def new_cache(self, dtype):
         """The KV cache (`WithDraft` both models' with a draft model)."""

@@ -28,7 +28,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model: str, *extra: str, timeout: float = 300):
+def running_server(model: str, *extra: str, timeout: float = 300, until: str = "/ready"):
+    """A `jinfer serve` process, yielded (base URL, process) once `until` answers 200 (/health: as
+    soon as it serves, still warming up)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "jinfer.cli", "serve", "--model", model, "--port", str(port), *extra]
     log = open(os.devnull, "w")  # noqa: SIM115 - closed below
@@ -40,7 +42,7 @@ def running_server(model: str, *extra: str, timeout: float = 300):
             if proc.poll() is not None:
                 raise RuntimeError("server exited: " + proc.stderr.read())
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                if httpx.get(base + until, timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError("server did not become ready")

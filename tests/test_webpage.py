@@ -6,19 +6,16 @@ prompts shown as text, the API-key prompt, errors and recovery, phone and deskto
 Screenshots of finished answers are kept under results/. The same server answers the official
 `openai` client's SmolLM2 test."""
 
-import contextlib
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from test_server import AUTH, KEY, _free_port, _metric, _wait_metric, running_server, terminate
+from test_server import AUTH, KEY, _metric, _wait_metric, running_server
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 SERVER_OPTIONS = [
@@ -370,32 +367,10 @@ def test_the_page_works_at_phone_and_desktop_widths(page, browser, viewport):
     page.screenshot(f"webpage-{viewport}.png")
 
 
-@contextlib.contextmanager
-def warming_server(model: str, *flags: str):
-    """A server that answers (/health) but is still compiling its steps: it has not warmed up for
-    tens of seconds after, far longer than what is done with it here."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "jinfer.cli", "serve", "--model", model, "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-
-    def answers():
-        try:
-            return httpx.get(base + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            assert proc.poll() is None, "the server exited"
-            return False
-
-    try:
-        wait_for(answers, "the server to answer", timeout=60)
-        yield base
-    finally:
-        terminate(proc)
-
-
 @pytest.mark.slow
 def test_while_the_server_warms_up_the_page_says_so_and_keeps_the_question(smollm2_path, browser):
-    with warming_server(smollm2_path) as base:
+    # A server at its default settings warms up for about a minute, far longer than this takes.
+    with running_server(smollm2_path, until="/health") as (base, _):
         browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
         page = Page(browser, base)
         page.open()
@@ -408,6 +383,6 @@ def test_while_the_server_warms_up_the_page_says_so_and_keeps_the_question(smoll
 
 
 def test_no_web_ui_leaves_the_root_unanswered(smollm2_path):
-    with warming_server(smollm2_path, "--no-web-ui") as base:
+    with running_server(smollm2_path, "--no-web-ui", until="/health") as (base, _):  # routes precede warm-up
         assert httpx.get(base + "/").status_code == 404
         assert httpx.get(base + "/ui/chat.js").status_code == 404
