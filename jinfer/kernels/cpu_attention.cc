@@ -46,7 +46,9 @@ using jinfer::Sum;
 
 constexpr int64_t kBlock = 32;  // keys per block: a block of K and V rows stays in L1 across queries
 constexpr int64_t kPrefetchKeys = 2 * kBlock;  // how far ahead key and value rows are prefetched
-constexpr int64_t kKeysPerHelper = 2048;  // (row, kv head, key) triples: below, one thread
+// (row, kv head, query token, key) quadruples: below, one thread. A verify step's k + 1 query
+// tokens per row multiply the work over the same keys.
+constexpr int64_t kKeysPerHelper = 2048;
 // Keys per split (a multiple of kBlock): splits let helper threads share one long row, and each
 // split's partial sums cost a merge.
 constexpr int64_t kSplitKeys = 256;
@@ -310,7 +312,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     }
   }
   // Helper threads only for enough keys to pay for waking them (measured: ~20 us a call).
-  const int64_t threads = pairs * longest < kKeysPerHelper ? 1 : jinfer::PoolCores(pool);
+  const int64_t work = pairs * longest * qd[3];
+  const int64_t threads = work < kKeysPerHelper ? 1 : jinfer::PoolCores(pool);
   int64_t furthest = 0;
   for (int64_t b = 0; b < qd[0]; ++b) furthest = std::max(furthest, job.hi[b]);
   job.splits = std::max<int64_t>(1, (furthest + kSplitKeys - 1) / kSplitKeys);
