@@ -11,7 +11,7 @@ call (the engine's loop and a server scoring a text).
     prefill(allowed, chunk, feed_draft) -> out
     decode(rows, attn_len, row_steps, deferred, want_logprobs, feed_draft) -> out
     mixed(rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft) -> out, chunk_out
-    verify(rows, attn_len, k, row_steps, drafting, deferred, want_logprobs) -> out, drafted
+    verify(rows, attn_len, k, plan, row_steps, deferred, want_logprobs) -> out, checked, kinds
     sample(allowed, deferred, want_logprobs) -> out
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scoring import score_program
+from jinfer.speculative import DRAFT_SOURCES, DraftPlan, program_lengths, verify_programs
 from jinfer.state import pack_chunk, pack_history
 from jinfer.steps import Steps
 
@@ -109,16 +110,16 @@ class Device:
         args = (rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft)
         return self._call("mixed", args, run)
 
-    def verify(self, rows, attn_len, k, row_steps, drafting, deferred, want_logprobs):
+    def verify(self, rows, attn_len, k, plan, row_steps, deferred, want_logprobs):
         def run():
             carried = (self.params, self.cache, self.state, self.tables)
             verify = self.steps.verify[rows, attn_len, k]
-            self.cache, self.state, out, drafted = verify(
-                *carried, row_steps, drafting, deferred, want_logprobs
+            self.cache, self.state, out, checked, kinds = verify(
+                *carried, row_steps, plan, deferred, want_logprobs
             )
-            return out, drafted
+            return out, checked, kinds
 
-        args = (rows, attn_len, k, row_steps, drafting, deferred, want_logprobs)
+        args = (rows, attn_len, k, plan, row_steps, deferred, want_logprobs)
         return self._call("verify", args, run)
 
     def sample(self, allowed, deferred, want_logprobs):
@@ -191,16 +192,26 @@ class Device:
             out = self.sample(None, np.zeros(rows, bool), np.False_)
         for rows, attn_len, k in self.steps.verify:
             row_steps, deferred, logprobs = idle(rows)
-            out, _ = self.verify(rows, attn_len, k, row_steps, deferred, deferred, logprobs)
+            out, *_ = self.verify(rows, attn_len, k, self._plan(rows, k, -1), row_steps, deferred, logprobs)
         self.history(pack_history(0, [], 0, layout.max_seq_len))
         self.clear_pages(self.page_list([]))
         jax.block_until_ready((out, self.cache, self.state))
 
+    def _plan(self, rows: int, k: int, force: int) -> DraftPlan:
+        """A draft plan for warm-up and timing of a program of `k` drafts: every row drafting,
+        `force` (-1: none)."""
+        layout = self.steps.layout
+        kinds = len(DRAFT_SOURCES[layout.speculative].priors)
+        lengths = program_lengths(layout.speculative, layout.verify_variants, k)
+        chances, costs = np.full((rows, kinds), 0.5, np.float32), np.ones(len(lengths), np.float32)
+        return DraftPlan(np.ones(rows, bool), chances, costs, np.int32(force))
+
     def verify_cost(self, rounds: int = 5) -> dict[tuple[int, int], float]:
         """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's
-        (the best of `rounds` each, every row busy, at the smallest attention bucket). The caller
-        sets block tables that map nowhere first (the busy rows write) and runs it with no
-        request in a slot (their state is left for the next prefill to set)."""
+        (the best of `rounds` each, every row busy, at the smallest attention bucket, the program
+        made to take that length). The caller sets block tables that map nowhere first (the busy
+        rows write) and runs it with no request in a slot (their state is left for the next
+        prefill to set)."""
         layout, costs = self.steps.layout, {}
         attn_len = layout.attention_buckets[0]
 
@@ -214,11 +225,16 @@ class Device:
 
         for rows in sorted({rows for rows, _ in layout.verify_variants}):
             busy = np.full(rows, layout.decode_steps, np.int32)
-            none, every = np.zeros(rows, bool), np.ones(rows, bool)
+            none = np.zeros(rows, bool)
             decode = best(partial(self.decode, rows, attn_len, busy, none, np.False_))
-            for k in (k for r, k in layout.verify_variants if r == rows):
-                verify = partial(self.verify, rows, attn_len, k, busy, every, none, np.False_)
-                costs[rows, k] = best(lambda verify=verify: verify()[0]) / decode
+            for program_rows, k in verify_programs(layout.speculative, layout.verify_variants):
+                if program_rows != rows:
+                    continue
+                for index, n in enumerate(program_lengths(layout.speculative, layout.verify_variants, k)):
+                    if n:
+                        plan = self._plan(rows, k, index)
+                        verify = partial(self.verify, rows, attn_len, k, plan, busy, none, np.False_)
+                        costs[rows, n] = best(lambda verify=verify: verify()[0]) / decode
         return costs
 
     def consumed(self) -> bool:

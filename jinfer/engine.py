@@ -113,7 +113,7 @@ class Engine:
             layout.decode_steps,
             layout.draft_tokens,
         )
-        self.speculation = Speculation(layout.verify_variants) if layout.verify_variants else None
+        self.speculation = Speculation(layout) if layout.verify_variants else None
         tables = self.kv.tables.copy()  # the device's, as of _tables_version
         self.device = Device(self.steps, carried, self.dtype, tables, llama.unpacked(params))
         self._tables_version = self.kv.version
@@ -344,9 +344,8 @@ class Engine:
             if fused is not None:
                 self._set_history(fused)
             rows_args = (row_steps, deferred, want_logprobs)
-            if verifying is not None:  # (draft tokens, the rows that draft)
-                k, drafting = verifying
-                out, drafted = self.device.verify(rows, attn_len, k, row_steps, drafting, *rows_args[1:])
+            if verifying is not None:  # (the program's draft length, the draft plan)
+                out, *checked = self.device.verify(rows, attn_len, *verifying, *rows_args)
             elif fused is None:
                 out = self.device.decode(rows, attn_len, *rows_args, self._feeds_draft())
             else:
@@ -365,7 +364,7 @@ class Engine:
             counts.mixed_dispatches += 1
             counts.mixed_tokens += len(fused.tokens)
         counts.verify_dispatches += verifying is not None
-        verified = (steps, drafted) if verifying is not None else None
+        verified = (steps, *checked) if verifying is not None else None
         dispatched.append(([None if d else r for r, d in zip(owners, deferred, strict=True)], out, verified))
         if deferred.any():
             self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
@@ -416,8 +415,8 @@ class Engine:
             self.device.history(packed)
 
     def _commit(self, owners: list[Request | None], out, verified: tuple | None) -> None:
-        """Hand a dispatch's tokens to the scheduler (`verified`: a verify dispatch's decode steps
-        and the draft tokens proposed [steps, rows], whose acceptance is recorded first)."""
+        """Hand a dispatch's tokens to the scheduler (`verified`: a verify dispatch's decode steps,
+        the drafts checked and their kinds [steps, rows], whose acceptance is recorded first)."""
         if self.failure is not None:  # read nothing more: a collective with a dead process may never end
             return
         want_logprobs = any(r is not None and r.sampling.logprobs is not None for r in owners)
@@ -435,7 +434,8 @@ class Engine:
         logprobs = dict(zip(("logprobs", "top_ids", "top_logprobs"), extra, strict=True)) if extra else None
         steps = None if verified is None else verified[0]
         if verified is not None:  # its requests' acceptance first: their final metrics include it
-            Speculation.record(owners, tokens, steps, np.asarray(verified[1]), self.dispatch_counts)
+            checked, kinds = (np.asarray(a) for a in verified[1:])
+            self.speculation.record(owners, tokens, steps, checked, kinds, self.dispatch_counts)
         with self._lock:
             committed = self.scheduler.commit(owners, tokens, bad, logprobs, steps)
             self._lock.notify_all()

@@ -64,12 +64,12 @@ class Request:
     admissions: int = 0  # the scheduler's admission count when it last got a slot (latest: preempted first)
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     preemptions: int = 0
-    # Speculation so far: draft tokens proposed and accepted over its verify steps, and the
-    # running counts `jinfer.speculative.Speculation` predicts its next steps' acceptance from.
+    # Speculation so far: draft tokens checked and accepted over the steps that checked some, and
+    # the running counts `jinfer.speculative.Speculation` predicts its next steps' acceptance from.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
-    draft_record: tuple[float, ...] | None = None  # None: no verify step yet
+    draft_record: np.ndarray | None = None  # [kinds, 2]; None: no draft checked yet
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)

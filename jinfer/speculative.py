@@ -24,14 +24,28 @@ any query can see them (attention masks keys by position).
 Rows with penalties or a grammar never draft (their counts / allowed set would change inside the
 step); such a row still emits t_0, as a decode step would.
 
-Host side, `Speculation` decides per decode dispatch whether to verify, and how many draft tokens:
-a verify step costs more than a decode step, the more the more columns it feeds (measured per
-variant at warm-up: on a 2-core CPU with quantized weights, twice a decode step for 5 columns),
-and pays only while the rows' expected accepted tokens make up for it; otherwise the engine decodes
-plainly (`Speculation`).
+A verify step costs more than a decode step, the more the more columns it feeds (measured per
+draft length at warm-up: on a 2-core CPU, 1.3-1.5x a decode step for 4-8 drafts of float32
+weights), and pays only while the drafts it checks are accepted often enough. Who judges that:
+
+  * n-gram drafts cost nothing to make, and how likely one is right shows in its own match: the
+    tokens after a 3-token match are usually what a copy goes on with, after a 1-token match
+    seldom. So each step picks its own draft length, 0 (a plain decode step) included, on the
+    device (`best_length`), from each row's draft, the chance per match length (`kind`) that the
+    row's drafts of that kind are accepted, and each length's measured cost: a request copying its
+    prompt verifies 8 drafts where its match is long and decodes plainly where it has none.
+  * a draft model's drafts cost a pass per token, so the host picks their number per dispatch,
+    before they are made.
+
+Host side, `Speculation` keeps each request's record (per kind: accepted and rejected draft
+tokens, decaying), sends the rows' chances and the lengths' costs with each verify dispatch, and
+dispatches plain decode steps where no length could pay even for the rows' best drafts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,24 +57,22 @@ from jinfer.sampling import pick
 from jinfer.state import SlotState, sample_rows, scan_rows
 
 LONGEST_NGRAM = 3  # the longest suffix looked up; shorter ones only when it has no earlier match
-RECORD_DECAY = 0.8  # weight of a request's earlier verify steps in its record, per verify step
-RELAX = 0.99  # weight of a record against the prior, per plain decode step
-# A request's record before its first verify step: accepted, rejected, steps with a draft, without
-# (a draft token's chance 2/3, every step drafting).
-PRIOR_RECORD = (2.0, 1.0, 1.0, 0.0)
+RECORD_DECAY = 0.8  # weight of a request's earlier verify steps of a kind in its record, per such step
+RELAX = 0.99  # weight of a record against the prior, per decode step without a draft verified
 
 
-def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Draft tokens [rows, k] and which are real [rows, k], from each row's token history
-    [rows, L] up to its last token's position [rows]: the tokens that followed the latest earlier
-    occurrence of its last n tokens (n = LONGEST_NGRAM, or shorter when that has none), as far as
-    they are known."""
+def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.Array, ...]:
+    """Draft tokens [rows, k], which are real [rows, k] and the match's length n [rows] (0: none),
+    from each row's token history [rows, L] up to its last token's position [rows]: the tokens that
+    followed the latest earlier occurrence of its last n tokens (n = LONGEST_NGRAM, or shorter when
+    that has none), as far as they are known."""
     rows, seq = history.shape
     known = positions + 1  # tokens 0 .. positions
     pad = max(k, LONGEST_NGRAM)
     padded = jnp.pad(history, ((0, 0), (0, pad)))
     start = jnp.arange(seq)[None, :]
     follow = jnp.full((rows,), -1, jnp.int32)  # where the draft starts
+    matched = jnp.zeros((rows,), jnp.int32)
     for n in range(1, LONGEST_NGRAM + 1):  # longer matches override shorter ones
         suffix = jnp.take_along_axis(
             history, jnp.clip(known[:, None] - n + jnp.arange(n), 0, seq - 1), axis=1
@@ -71,20 +83,74 @@ def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.
             match &= padded[:, m : m + seq] == suffix[:, m : m + 1]
         latest = jnp.max(jnp.where(match, start, -1), axis=1)
         follow = jnp.where(latest >= 0, latest + n, follow)
+        matched = jnp.where(latest >= 0, n, matched)
     offsets = jnp.arange(k)[None, :]
     drafts = jnp.take_along_axis(padded, jnp.clip(follow[:, None] + offsets, 0, seq + pad - 1), axis=1)
     real = (follow[:, None] >= 0) & (follow[:, None] + offsets < known[:, None])
-    return jnp.where(real, drafts, 0), real
+    return jnp.where(real, drafts, 0), real, matched
 
 
 def _ngram_source(params, cache, state, tables, active, k, **_):
-    return (*ngram_drafts(state.history, state.positions, k), cache)
+    drafts, real, matched = ngram_drafts(state.history, state.positions, k)
+    return drafts, real, jnp.maximum(matched - 1, 0), cache
 
 
-# Where draft tokens come from, by `EngineConfig.speculative`: (weights, caches, slot state, block
-# tables, active rows, k, **step options) -> drafts [rows, k], which are real [rows, k], and the
-# caches. Trained heads (EAGLE / MTP) would be a source reading the target's hidden states.
-DRAFT_SOURCES = {"ngram": _ngram_source, "draft": model_drafts}
+def _model_source(params, cache, state, tables, active, k, **options):
+    drafts, real, cache = model_drafts(params, cache, state, tables, active, k, **options)
+    return drafts, real, jnp.zeros(active.shape, jnp.int32), cache
+
+
+class DraftSource(NamedTuple):
+    """Where draft tokens come from (`EngineConfig.speculative`)."""
+
+    # (weights, caches, slot state, block tables, active rows, k, **step options) -> drafts [rows, k],
+    # which are real [rows, k], each row's kind of draft [rows] and the caches.
+    draft: Callable
+    # Per kind, a request's record before its first verify step of that kind: (accepted, rejected)
+    # draft tokens, as seen over SmolLM2's edits and chats (n-gram: matches of 1, 2, 3 tokens).
+    priors: tuple[tuple[float, float], ...]
+    per_step: bool  # the device picks each step's draft length; else the host, per dispatch
+
+
+# Trained heads (EAGLE / MTP) would be a source reading the target's hidden states.
+DRAFT_SOURCES = {
+    "ngram": DraftSource(_ngram_source, ((1.0, 2.0), (2.0, 1.0), (4.5, 0.5)), per_step=True),
+    "draft": DraftSource(_model_source, ((2.0, 1.0),), per_step=False),
+}
+
+
+def program_lengths(source: str, variants, k: int) -> tuple[int, ...]:
+    """The draft lengths a verify program of `k` drafts takes (`variants`: the (slot bucket,
+    length) pairs compiled): where the device picks, every length up to k and 0, else k."""
+    if not DRAFT_SOURCES[source].per_step:
+        return (k,)
+    return (0, *sorted({n for _, n in variants if n <= k}))
+
+
+def verify_programs(source: str, variants) -> tuple[tuple[int, int], ...]:
+    """The (slot bucket, k) verify programs compiled for the (slot bucket, length) `variants`: one
+    per slot bucket, of its longest length, where the device picks (its branches hold the rest),
+    else one per variant."""
+    if not variants or not DRAFT_SOURCES[source].per_step:
+        return tuple(variants)
+    longest = {}
+    for rows, k in variants:
+        longest[rows] = max(k, longest.get(rows, 0))
+    return tuple(longest.items())
+
+
+def best_length(lengths, costs, chances, kind, real, counted) -> jax.Array:
+    """The index of the draft length (of `lengths`, their costs [len(lengths)] over a decode
+    step's) with the most expected tokens per unit of cost: each counted
+    row [rows] makes one token, and a row with real drafts [rows, k] (a prefix) of a kind [rows]
+    whose drafts are accepted with chance chances[row, kind] one more per draft accepted, each
+    accepted only after the ones before it: α + α² + ... over the drafts checked."""
+    rows, k = real.shape
+    alpha = jnp.take_along_axis(chances, kind[:, None], axis=1)  # [rows, 1]
+    gains = jnp.cumsum(jnp.where(real, jnp.cumprod(jnp.broadcast_to(alpha, (rows, k)), axis=1), 0.0), axis=1)
+    gains = jnp.concatenate([jnp.zeros((rows, 1)), gains], axis=1)  # [rows, k + 1]: with 0..k drafts
+    expected = jnp.sum(counted) + jnp.sum(gains[:, jnp.asarray(lengths)], axis=0)
+    return jnp.argmax(expected / costs)
 
 
 def _later_positions(state: SlotState, logits: jax.Array, drafting_rows: jax.Array, want_logprobs):
@@ -107,31 +173,76 @@ def _later_positions(state: SlotState, logits: jax.Array, drafting_rows: jax.Arr
     return pick(flat(logits), flat(processed), knobs, positions, want_logprobs)
 
 
+class DraftPlan(NamedTuple):
+    """What a verify dispatch's steps go by (host values, `Speculation.choose`)."""
+
+    drafting: np.ndarray  # [rows] bool: the rows that may draft
+    chances: np.ndarray  # [rows, kinds] float32: a row's chance that a draft of each kind is accepted
+    costs: np.ndarray  # [lengths] float32: each of the program's draft lengths' cost over a decode step
+    force: np.ndarray  # int32: -1, or the index of the length every step takes (measuring costs)
+
+
 def verify_step(
     params,
     cache,
     state,
     tables,
     active,
-    drafting,
+    plan: DraftPlan,
     deferred,
     want_logprobs,
     *,
     cfg,
     vocab,
-    k,
+    lengths,
     source,
     draft_cfg=None,
     **attention,
 ):
-    """One verify step for the state's rows (active, drafting, deferred [rows] bool): the cache, the
-    rows' state, their output [k + 1, rows] (tokens -1 where not emitted) and the drafts proposed
-    [rows]. A deferred row (a grammar's) is fed and its position-0 logits kept, as a decode step
-    does. With a draft model (`jinfer.draft`) params and cache are both models'."""
-    rows = active.shape[0]
+    """One verify step for the state's rows (active, deferred [rows] bool) at the draft length
+    `best_length` picks of `lengths` (or the plan's forced one): the cache, the rows' state, their
+    output [k + 1, rows] (k the longest length; tokens -1 where not emitted),
+    the drafts checked [rows] and their kind [rows]. A deferred row (a grammar's) is fed and its
+    position-0 logits kept, as a decode step does. With a draft model (`jinfer.draft`) params and
+    cache are both models'."""
+    k = max(lengths)
     options = {"draft_cfg": draft_cfg, "vocab": vocab, **attention}
-    drafts, real, cache = DRAFT_SOURCES[source](params, cache, state, tables, active, k, **options)
-    real &= (drafting & active & ~deferred)[:, None]
+    source = DRAFT_SOURCES[source].draft
+    drafts, real, kind, cache = source(params, cache, state, tables, active, k, **options)
+    real &= (plan.drafting & active & ~deferred)[:, None]
+    best = best_length(lengths, plan.costs, plan.chances, kind, real, active & ~deferred)
+    chosen = jnp.where(plan.force >= 0, plan.force, best)
+
+    def at_length(n):
+        def run(carry):
+            cache, state, _, _ = carry
+            one = (params, cache, state, tables, active, deferred, want_logprobs, drafts[:, :n], real[:, :n])
+            cache, state, out, checked = _check_drafts(*one, cfg=cfg, vocab=vocab, **attention)
+            pad = lambda a, fill: jnp.concatenate([a, jnp.full((k - n, *a.shape[1:]), fill, a.dtype)])
+            out = jax.tree.map(lambda a: pad(a, 0), out).replace(tokens=pad(out.tokens, -1))
+            return cache, state, out, checked
+
+        return run
+
+    # Each length's pass runs inside a loop of 0 or 1 trips: XLA:CPU copies the whole KV cache
+    # into and out of a conditional's branches, never a loop's carry.
+    carry = jax.eval_shape(at_length(k), (cache, state, None, None))
+    carry = (cache, state, *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), carry[2:]))
+    for index, n in enumerate(lengths):
+        trips = (chosen == index).astype(jnp.int32)
+        carry = jax.lax.fori_loop(0, trips, lambda _, c, n=n: at_length(n)(c), carry)
+    cache, state, out, checked = carry
+    return cache, state, out, checked, kind
+
+
+def _check_drafts(
+    params, cache, state, tables, active, deferred, want_logprobs, drafts, real, *, cfg, vocab, **attention
+):
+    """The target's pass over each row's last token and its drafts [rows, k] (k may be 0: a plain
+    decode step), then the tokens decoding would sample at those positions, the leading drafts
+    they agree with accepted: the cache, the state, the output [k + 1, rows] and the drafts
+    checked per row [rows]."""
+    rows, k = drafts.shape
     tokens = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
     positions = state.positions[:, None] + jnp.arange(k + 1)[None, :]
     group = llama.TokenGroup(tokens, positions, active=active)
@@ -144,11 +255,26 @@ def verify_step(
     )
     sampled = active & ~deferred
     state, out0 = sample_rows(state.replace(logits=kept), first, None, sampled, want_logprobs)
-    later, outs = _later_positions(state, logits[:, 1:], jnp.any(real, axis=1), want_logprobs)
-    emitted = jnp.concatenate([state.tokens[:, None], later.reshape(rows, k)], axis=1)  # t_0 .. t_k
+    if k:
+        later, outs = _later_positions(state, logits[:, 1:], jnp.any(real, axis=1), want_logprobs)
+        state, taken = _advance(state, drafts, real, later.reshape(rows, k), sampled)
+        later_out = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(rows, k, *a.shape[1:]), 0, 1), outs)
+        out = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, later_out)
+    else:
+        taken, out = jnp.zeros((rows, 0), bool), jax.tree.map(lambda a: a[None], out0)
+    # [k + 1, rows] outputs: position 0 as decoding gives it, later ones where taken.
+    shown = jnp.concatenate([sampled[:, None], taken], axis=1).T
+    out = out.replace(tokens=jnp.where(shown, out.tokens, -1), bad=out.bad & shown)
+    return cache, state, out, jnp.where(sampled, jnp.sum(real, axis=1), 0)
+
+
+def _advance(state: SlotState, drafts, real, later, sampled) -> tuple[SlotState, jax.Array]:
+    """The state past t_1 .. t_accepted (later [rows, k]: t_1 .. t_k, state already past t_0), as
+    `accepted` more decode steps would have left it, and which of t_1 .. t_k were taken [rows, k]."""
+    rows, k = drafts.shape
+    emitted = jnp.concatenate([state.tokens[:, None], later], axis=1)  # t_0 .. t_k
     accepted = jnp.sum(jnp.cumprod(real & (drafts == emitted[:, :-1]), axis=1), axis=1)
     accepted = jnp.where(sampled, accepted, 0)
-    # Advance past t_1 .. t_accepted, as `accepted` more decode steps would have.
     step = jnp.arange(1, k + 1)[None, :]
     taken = step <= accepted[:, None]  # [rows, k]
     seq = state.history.shape[1]
@@ -163,28 +289,24 @@ def verify_step(
         counts=counts,
         history=state.history.at[jnp.arange(rows)[:, None], at].set(emitted[:, 1:], mode="drop"),
     )
-    # [k + 1, rows] outputs: position 0 as decoding gives it, later ones where taken.
-    shown = jnp.concatenate([sampled[:, None], taken], axis=1).T
-    later_out = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(rows, k, *a.shape[1:]), 0, 1), outs)
-    out = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, later_out)
-    out = out.replace(tokens=jnp.where(shown, out.tokens, -1), bad=out.bad & shown)
-    return cache, state, out, jnp.sum(real, axis=1)
+    return state, taken
 
 
-def verify(params, cache, state, tables, row_steps, drafting, deferred, want_logprobs, *, steps, **options):
+def verify(params, cache, state, tables, row_steps, plan, deferred, want_logprobs, *, steps, **options):
     """`steps` verify steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
-    row_steps[i] (a deferred slot in the first only, unsampled): the cache, the state, the output
-    [steps x (k + 1), rows] (tokens -1 where nothing was emitted) and the drafts proposed [steps,
-    rows]."""
+    row_steps[i] (a deferred slot in the first only, unsampled), by the `DraftPlan`: the cache,
+    the state, the output
+    [steps x (k + 1), rows] (tokens -1 where nothing was emitted), the drafts checked [steps, rows]
+    and their kinds [steps, rows]."""
 
     def step(cache, part, active, deferred):
-        cache, part, out, drafted = verify_step(
-            params, cache, part, tables, active, drafting, deferred, want_logprobs, **options
+        cache, part, out, checked, kind = verify_step(
+            params, cache, part, tables, active, plan, deferred, want_logprobs, **options
         )
-        return cache, part, (out, drafted)
+        return cache, part, (out, checked, kind)
 
-    cache, state, (outs, drafted) = scan_rows(step, cache, state, row_steps, deferred, steps)
-    return cache, state, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs), drafted
+    cache, state, (outs, checked, kinds) = scan_rows(step, cache, state, row_steps, deferred, steps)
+    return cache, state, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs), checked, kinds
 
 
 def may_draft(sampling, constrained: bool) -> bool:
@@ -194,26 +316,34 @@ def may_draft(sampling, constrained: bool) -> bool:
 
 
 class Speculation:
-    """The host's choice, per decode dispatch, between a plain decode step and a verify step of
-    some draft length, from each request's record and each variant's measured cost.
+    """The host's side of speculative decoding (see the module docstring): per decode dispatch, a
+    verify program or plain decode steps, from each request's record and each length's measured
+    cost.
 
-    A request's record (`Request.draft_record`, decaying counts: accepted draft tokens, rejected
-    ones, steps with a draft, steps without) gives the chance α that a draft token is accepted,
-    given the ones before it were, and the chance β that a step has a draft at all. A verify step
-    of k drafts is then expected to emit 1 + β (α + α² + ... + α^k) tokens for that row, 1 for
-    rows that do not draft; the dispatch takes the variant (plain: 1 token a row, cost 1) with
-    the most expected tokens per unit of cost. While it decodes plainly, the drafting requests'
-    records drift back toward the prior (`PRIOR_RECORD`), so a request whose drafts failed for a
-    while is tried again where trying can pay (never where even the prior would not).
+    A request's record (`Request.draft_record`, [kinds, 2]: decaying counts of accepted and
+    rejected draft tokens per kind) gives the chance α that a draft token of that kind is accepted,
+    given the ones before it were; a verify step of k drafts is then expected to emit
+    1 + α + α² + ... + α^k tokens for the row, 1 for a row without a draft. The device's choice
+    per step (`best_length`) and the host's per dispatch (`_best`) both take the length with the
+    most expected tokens per unit of cost. While a request's drafts go unchecked, its record drifts
+    back toward the prior, so one whose drafts failed for a while is tried again where trying can
+    pay (never where even the prior would not).
     """
 
-    def __init__(self, variants: tuple[tuple[int, int], ...]):
+    def __init__(self, layout):
+        source, variants = self.source, self.variants = layout.speculative, layout.verify_variants
         self.lengths: dict[int, list[int]] = {}  # slot bucket -> its draft lengths
         for rows, k in variants:
             self.lengths.setdefault(rows, []).append(k)
+        self.prior = np.array(DRAFT_SOURCES[source].priors, np.float32)  # [kinds, 2]
         # A verify step's time over a decode step's (`Device.verify_cost` measures them at
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
+
+    def _chances(self, request) -> np.ndarray:
+        """[kinds] α per kind, from the request's record."""
+        record = self.prior if request.draft_record is None else request.draft_record
+        return record[:, 0] / record.sum(axis=1)
 
     def feeds_draft(self, holders: list, slot_bucket) -> bool:
         """Whether a dispatch that is not a verify step (prompt chunks, plain and mixed decode
@@ -227,70 +357,74 @@ class Speculation:
         owners = holders[:rows]
         speculating = [r for r in owners if r is not None and r.speculative]
         busy = sum(r is not None for r in owners)
-        prior = [_chances(PRIOR_RECORD)] * len(speculating)
+        prior = [float(np.max(self.prior[:, 0] / self.prior.sum(axis=1)))] * len(speculating)
         if speculating and rows in self.lengths and self._best(rows, busy, prior)[1] > busy:
             return True
         for request in speculating:
             request.speculative = False
         return False
 
-    def _best(self, rows: int, busy: int, chances: list[tuple[float, float]]) -> tuple[int, float]:
+    def _best(self, rows: int, busy: int, alphas: list[float]) -> tuple[int, float]:
         """The draft length with the most expected tokens per unit of cost for `busy` rows, those
-        drafting with chances (α, β), and its tokens per cost."""
+        drafting with chances α, and its tokens per cost."""
 
         def tokens_per_cost(k):
-            drafted = sum(b * sum(a**i for i in range(1, k + 1)) for a, b in chances)
-            return (busy + drafted) / self.cost[rows, k]
+            return (busy + sum(sum(a**i for i in range(1, k + 1)) for a in alphas)) / self.cost[rows, k]
 
         k = max(self.lengths[rows], key=tokens_per_cost)
         return k, tokens_per_cost(k)
 
-    def choose(self, rows: int, owners: list, steps: int) -> tuple[int, np.ndarray] | None:
-        """The draft length and the rows [rows] that draft in a dispatch of `steps` decode steps,
-        or None for a plain decode dispatch."""
+    def choose(self, rows: int, owners: list, steps: int) -> tuple[int, DraftPlan] | None:
+        """A verify dispatch of `steps` steps for the rows [rows] (their owners): its program's
+        draft length and its plan; or None for a plain decode dispatch. Where the device picks
+        lengths, whenever some length could pay with every drafting row at its best kind; else the
+        length that pays best, if one does."""
         drafting = np.array([r is not None and r.speculative for r in owners])
         if rows not in self.lengths or not drafting.any():
             return None
         busy = sum(r is not None for r in owners)
         speculating = [r for r, d in zip(owners, drafting, strict=True) if d]
-        k, tokens_per_cost = self._best(
-            rows, busy, [_chances(r.draft_record or PRIOR_RECORD) for r in speculating]
-        )
+        chances = np.zeros((rows, len(self.prior)), np.float32)
+        for row in np.flatnonzero(drafting):
+            chances[row] = self._chances(owners[row])
+        per_step = DRAFT_SOURCES[self.source].per_step
+        alphas = [float(c.max() if per_step else c[0]) for c in chances[drafting]]
+        k, tokens_per_cost = self._best(rows, busy, alphas)
         if tokens_per_cost > busy:
-            return k, drafting
-        relax = RELAX**steps
-        for r in speculating:
-            record = r.draft_record or PRIOR_RECORD
-            r.draft_record = tuple(
-                relax * old + (1 - relax) * p for old, p in zip(record, PRIOR_RECORD, strict=True)
-            )
+            k = max(self.lengths[rows]) if per_step else k
+            lengths = program_lengths(self.source, self.variants, k)
+            costs = np.array([self.cost[rows, n] if n else 1.0 for n in lengths], np.float32)
+            return k, DraftPlan(drafting, chances, costs, np.int32(-1))
+        for request in speculating:
+            self._relax(request, steps)
         return None
 
-    @staticmethod
-    def record(owners: list, tokens: np.ndarray, steps: int, drafted: np.ndarray, counts) -> None:
+    def _relax(self, request, steps: int) -> None:
+        """Move the request's record toward the prior, as for `steps` steps without a draft checked."""
+        if request.draft_record is not None:
+            relax = RELAX**steps
+            request.draft_record = relax * request.draft_record + (1 - relax) * self.prior
+
+    def record(self, owners: list, tokens: np.ndarray, steps: int, checked, kinds, counts) -> None:
         """A verify dispatch's results (its tokens [steps x (k + 1), rows], -1 where none was
-        emitted; the drafts proposed [steps, rows]) into each request's totals and record, and the
-        engine's `DispatchCounts`. Rows that may not draft (opted out, penalised, constrained) take
-        part without a record: their steps are plain ones to them."""
+        emitted; the drafts checked and their kinds [steps, rows]) into each request's totals and
+        record, and the engine's `DispatchCounts`. Rows that may not draft (opted out, penalised,
+        constrained) take part without a record: their steps are plain ones to them."""
         emitted = (tokens.reshape(steps, -1, tokens.shape[-1]) >= 0).sum(axis=1)  # [steps, rows]
         for row, request in enumerate(owners):
-            for step in (
-                np.flatnonzero(emitted[:, row]) if request is not None and request.speculative else ()
-            ):
-                proposed, accepted = int(drafted[step, row]), int(emitted[step, row]) - 1
+            if request is None or not request.speculative:
+                continue
+            for step in np.flatnonzero(emitted[:, row]):
+                proposed, accepted = int(checked[step, row]), int(emitted[step, row]) - 1
+                if not proposed:
+                    self._relax(request, 1)
+                    continue
                 request.drafted_tokens += proposed
                 request.accepted_tokens += accepted
                 request.verify_steps += 1
-                seen = (accepted, accepted < proposed, proposed > 0, proposed == 0)
-                record = request.draft_record or PRIOR_RECORD
-                request.draft_record = tuple(
-                    RECORD_DECAY * old + new for old, new in zip(record, seen, strict=True)
-                )
+                record = self.prior.copy() if request.draft_record is None else request.draft_record
+                kind = kinds[step, row]
+                record[kind] = RECORD_DECAY * record[kind] + (accepted, accepted < proposed)
+                request.draft_record = record
                 counts.draft_tokens += proposed
                 counts.accepted_tokens += accepted
-
-
-def _chances(record: tuple[float, ...]) -> tuple[float, float]:
-    """(α, β) from a request's record: a draft token's chance of acceptance, a step's of a draft."""
-    accepted, rejected, drafted, undrafted = record
-    return accepted / (accepted + rejected), drafted / (drafted + undrafted)

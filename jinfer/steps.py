@@ -24,8 +24,9 @@ host's block tables [slots, max_pages] (not donated: the host re-uploads them wh
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
-  verify[rows, attn_len, k](..., tables, row_steps, drafting, deferred, want_logprobs) -> ..., drafted
-      Decode steps that each verify k draft tokens a row (`jinfer.speculative`).
+  verify[rows, attn_len, k](..., tables, row_steps, plan, deferred, want_logprobs) -> ..., checked, kinds
+      Decode steps that each verify up to k draft tokens a row (`jinfer.speculative`; n-gram
+      drafts: each step picks its length, plain included, `speculative.verify_programs`).
 
 With a draft model (`jinfer.draft`) the weights and the cache are both models' (`WithDraft`), every
 pass over tokens writes the draft's K/V too, and prefill, decode and mixed also come without the
@@ -75,7 +76,7 @@ from jinfer.layout import Layout
 from jinfer.models import llama
 from jinfer.sampling import choose
 from jinfer.sharding import DATA, MODEL
-from jinfer.speculative import verify
+from jinfer.speculative import program_lengths, verify, verify_programs
 from jinfer.state import (
     PackedChunk,
     PrefillChunk,
@@ -296,7 +297,7 @@ class Steps:
     mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
     # With a draft model, "prefill", "decode" and "mixed" again with its passes skipped; else empty.
     without_draft: dict[str, object]
-    verify: dict[tuple[int, int, int], callable]  # (rows, attn_len, k): `layout.verify_variants`
+    verify: dict[tuple[int, int, int], callable]  # (rows, attn_len, k): `speculative.verify_programs`
     sample: callable  # (state, allowed, deferred [rows], want_logprobs) -> state, out: deferred rows
     history: callable  # (state, [slot, prompt length, length, tokens...]) -> state
     clear_pages: callable  # (cache, pages [max_pages]) -> cache
@@ -371,21 +372,22 @@ def build_steps(
     carried = (cache_shardings, state_shardings)
 
     def jit_decode(attn_len, kind, k=0, feed_draft=True):
-        """kind: "decode" | "mixed" (a prompt chunk rides along) | "verify" (k draft tokens a row,
-        `jinfer.speculative`); feed_draft=False: a draft model's passes skipped."""
+        """kind: "decode" | "mixed" (a prompt chunk rides along) | "verify" (up to k draft tokens a
+        row, `jinfer.speculative`); feed_draft=False: a draft model's passes skipped."""
         options = {"attn_len": attn_len, "attention_kernel": kernel, **model_options(feed_draft)}
         steps = dispatch_steps(layout.decode_steps, mixed=kind == "mixed")
-        fn = {
-            "decode": partial(_decode, steps=steps, **options),
-            "mixed": partial(_mixed, **options),
-            "verify": partial(verify, steps=steps, k=k, source=layout.speculative, **options),
-        }[kind]
+        if kind == "verify":
+            lengths = program_lengths(layout.speculative, layout.verify_variants, k)
+            fn = partial(verify, steps=steps, lengths=lengths, source=layout.speculative, **options)
+        else:
+            fn = partial(_decode, steps=steps, **options) if kind == "decode" else partial(_mixed, **options)
         # Host values enter replicated: several processes may pass numpy arrays to jit only so.
         # decode: row_steps, deferred, want_logprobs; mixed: + allowed (the chunk's first token;
-        # decode rows are deferred) before them and the chunk after; verify: + drafting rows.
+        # decode rows are deferred) before them and the chunk after; verify: + the draft plan.
         host = {"decode": 3, "mixed": 3, "verify": 4}[kind]
         allowed, chunk = ((by_slot,), (replicated,)) if kind == "mixed" else ((), ())
-        extra_out = (replicated,) if kind != "decode" else ()  # the chunk's output, or drafts proposed
+        # The chunk's output, or the drafts checked and their kinds.
+        extra_out = {"decode": (), "mixed": (replicated,), "verify": (replicated,) * 2}[kind]
         return jax.jit(
             fn,
             in_shardings=(param_shardings, *carried, replicated, *allowed, *(replicated,) * host, *chunk),
@@ -412,10 +414,10 @@ def build_steps(
 
     def verify_variants():
         # One jitted function per (attention bucket, draft length) serves every slot bucket.
-        lengths = sorted({k for _, k in layout.verify_variants})
-        by_len = {(n, k): jit_decode(n, "verify", k) for n in layout.attention_buckets for k in lengths}
-        pairs = [(n, rows, k) for n in layout.attention_buckets for rows, k in layout.verify_variants]
-        return {(rows, n, k): by_len[n, k] for n, rows, k in pairs}
+        programs = verify_programs(layout.speculative, layout.verify_variants)
+        longest = sorted({k for _, k in programs})
+        by_len = {(n, k): jit_decode(n, "verify", k) for n in layout.attention_buckets for k in longest}
+        return {(rows, n, k): by_len[n, k] for n in layout.attention_buckets for rows, k in programs}
 
     return Steps(
         model=model,

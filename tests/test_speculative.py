@@ -17,7 +17,7 @@ from tiny import VOCAB
 import jinfer
 from jinfer.config import EngineConfig
 from jinfer.loading import CheckpointError
-from jinfer.speculative import PRIOR_RECORD, Speculation, ngram_drafts
+from jinfer.speculative import Speculation, best_length, ngram_drafts, program_lengths, verify_programs
 
 GREEDY = jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = jinfer.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
@@ -72,43 +72,86 @@ def test_drafts_follow_the_latest_longest_earlier_match():
     history[0, :9] = [5, 6, 7, 8, 1, 5, 6, 7, 9]  # tail 6 7 9: no 3- or 2-gram match; 1-gram 9: none
     history[1, :9] = [5, 6, 7, 8, 2, 6, 7, 5, 6]  # tail 7 5 6 -> none; 5 6 at 0 -> 7 8 2 6
     history[2, :8] = [1, 2, 3, 4, 1, 2, 3, 1]  # 1-gram 1: latest at 4 -> 2 3 1 (then unknown)
-    history[3, :6] = [9, 8, 9, 8, 9, 8]  # 9 8 at 2 (latest earlier) -> 9 8, then unknown
+    history[3, :6] = [9, 8, 9, 8, 9, 8]  # 8 9 8 at 1 (latest earlier) -> 9 8, then unknown
     positions = np.array([8, 8, 7, 5])  # the last token's position
-    drafts, real = (np.asarray(a) for a in jax.jit(ngram_drafts, static_argnums=2)(history, positions, 4))
+    drafts, real, matched = (
+        np.asarray(a) for a in jax.jit(ngram_drafts, static_argnums=2)(history, positions, 4)
+    )
+    assert matched.tolist() == [0, 2, 1, 3]
     assert not real[0].any()
     assert drafts[1].tolist() == [7, 8, 2, 6] and real[1].all()
     assert drafts[2, :3].tolist() == [2, 3, 1] and real[2].tolist() == [True, True, True, False]
     assert drafts[3, :2].tolist() == [9, 8] and real[3].tolist() == [True, True, False, False]
 
 
-def test_the_policy_verifies_where_expected_tokens_outgrow_the_cost():
-    """Host-side policy on stand-in requests: long drafts for a row that accepts them, plain
-    decoding for one that does not until its record drifts back toward the prior, never verifying
-    where even the prior could not pay, and nothing for rows that may not draft."""
+def test_each_step_takes_the_draft_length_with_the_most_tokens_per_cost():
+    """The device's choice per step (`best_length`): a row with long real drafts of a kind that is
+    usually accepted verifies many; a batch whose drafts are short, seldom accepted or absent
+    decodes plainly (length 0); a row's real drafts bound what a longer length can gain."""
+    lengths, costs = (0, 1, 2, 4, 8), np.array([1.0, 1.1, 1.2, 1.35, 1.6])
+    alphas = [0.05, 0.6, 0.9]  # a row's chances for drafts after 1-, 2- and 3-token matches
+
+    def pick(kinds, real, counted=None):
+        rows = len(kinds)
+        counted = np.ones(rows, bool) if counted is None else np.array(counted)
+        args = (np.array([alphas] * rows), np.array(kinds), np.array(real), counted)
+        return lengths[int(best_length(lengths, costs, *args))]
+
+    assert pick([2], [[True] * 8]) == 8
+    assert pick([1], [[True] * 8]) == 4  # 2.31 over 1.35 beats 1.96 over 1.2 (2) and 2.48 over 1.6 (8)
+    assert pick([0], [[True] * 8]) == 0  # 1.05 over 1.1 is less than 1
+    assert pick([2], [[True] * 3 + [False] * 5]) == 4  # the 3 real drafts' gain, at 4's cost
+    assert pick([2], [[False] * 8]) == 0
+    assert pick([2], [[True] * 8], counted=[False]) == 8  # an idle row's plain token counts for nothing
+    assert pick([2, 0], [[True] * 8] * 2) == 8  # one copying row pays for a step both take
+    assert pick([0] * 4, [[True] * 8] * 4) == 0
+
+
+def test_the_host_verifies_where_some_length_could_pay():
+    """Host-side policy on stand-in requests: n-gram rows get the program of every length (the
+    device picks) while their best kind could pay; a draft model's rows get the length that pays
+    best; plain decoding, with records drifting back toward the prior, where none could; nothing
+    for rows that may not draft."""
     from types import SimpleNamespace as Row
 
-    policy = Speculation(((1, 1), (1, 2), (1, 4), (16, 1)))
-    policy.cost = {(1, 1): 1.3, (1, 2): 1.6, (1, 4): 2.1, (16, 1): 1.9}
-    copying = Row(speculative=True, draft_record=(40.0, 1.0, 5.0, 0.0))
-    k, drafting = policy.choose(1, [copying], steps=4)
-    assert k == 4 and drafting.tolist() == [True]
-    drifting = Row(speculative=True, draft_record=(0.0, 5.0, 5.0, 0.0))
+    def policy(source, variants, cost):
+        layout = Row(speculative=source, verify_variants=variants)
+        policy = Speculation(layout)
+        policy.cost = cost
+        return policy
+
+    variants = ((1, 1), (1, 2), (1, 4), (16, 1))
+    cost = {(1, 1): 1.3, (1, 2): 1.6, (1, 4): 2.1, (16, 1): 1.9}
+    ngram = policy("ngram", variants, cost)
+    k, plan = ngram.choose(1, [Row(speculative=True, draft_record=None)], steps=4)
+    assert k == 4 and plan.drafting.tolist() == [True] and plan.force == -1
+    assert plan.costs.tolist() == pytest.approx([1.0, 1.3, 1.6, 2.1])  # lengths 0, 1, 2, 4
+    assert plan.chances[0].tolist() == pytest.approx([1 / 3, 2 / 3, 0.9])
+    failing = np.array([[0.0, 5.0]] * 3, np.float32)
+    drifting = Row(speculative=True, draft_record=failing.copy())
     plain = 0
-    while policy.choose(1, [drifting], steps=4) is None:
+    while ngram.choose(1, [drifting], steps=4) is None:
         plain += 1
         assert plain < 50
-    assert plain >= 3 and drifting.draft_record != (0.0, 5.0, 5.0, 0.0)
+    assert plain >= 3 and (drifting.draft_record[:, 0] > 0).all()
     crowd = [Row(speculative=True, draft_record=None) for _ in range(8)] + [None] * 8
-    assert all(policy.choose(16, crowd, steps=4) is None for _ in range(100))
-    assert crowd[0].draft_record == pytest.approx(PRIOR_RECORD)
-    assert policy.choose(1, [Row(speculative=False, draft_record=None)], steps=4) is None
+    assert all(ngram.choose(16, crowd, steps=4) is None for _ in range(100))
+    assert crowd[0].draft_record is None
+    assert ngram.choose(1, [Row(speculative=False, draft_record=None)], steps=4) is None
+
+    model = policy("draft", variants, cost)
+    copying = Row(speculative=True, draft_record=np.array([[40.0, 1.0]], np.float32))
+    k, plan = model.choose(1, [copying], steps=4)
+    assert k == 4 and plan.costs.tolist() == pytest.approx([2.1])
+    k, _ = model.choose(1, [Row(speculative=True, draft_record=np.array([[3.0, 2.0]], np.float32))], steps=4)
+    assert k == 1  # α 0.6: (1 + 0.6) / 1.3 beats 2 and 4 drafts
     # A draft model is fed by plain steps only where a verify step could pay at the prior; where
     # none could, its requests stop drafting.
     alone, crowd = Row(speculative=True, draft_record=None), [Row(speculative=True, draft_record=None)] * 8
     bucket = lambda busy: next(b for b in (1, 4, 16, 32) if b >= busy)
-    assert policy.feeds_draft([alone, *[None] * 31], bucket) and alone.speculative
-    assert not policy.feeds_draft([*crowd, *[None] * 24], bucket) and not crowd[0].speculative
-    assert not policy.feeds_draft([*[None] * 31, alone], bucket) and not alone.speculative  # none at 32
+    assert model.feeds_draft([alone, *[None] * 31], bucket) and alone.speculative
+    assert not model.feeds_draft([*crowd, *[None] * 24], bucket) and not crowd[0].speculative
+    assert not model.feeds_draft([*[None] * 31, alone], bucket) and not alone.speculative  # none at 32
 
 
 def test_layout_compiles_draft_lengths_within_the_kernels_columns(tiny_model):
@@ -119,6 +162,12 @@ def test_layout_compiles_draft_lengths_within_the_kernels_columns(tiny_model):
     variants = llm.engine.layout.verify_variants
     assert variants == ((1, 1), (1, 2), (1, 4), (1, 5), (4, 1), (4, 2), (4, 4), (4, 5), (8, 1), (8, 2))
     assert all(rows * (k + 1) <= SPECULATIVE_COLUMNS for rows, k in variants)
+    # N-gram drafts: one program per slot bucket, of every length up to its longest and 0; a draft
+    # model: one per variant, of its own length.
+    assert verify_programs("ngram", variants) == ((1, 5), (4, 5), (8, 2))
+    assert program_lengths("ngram", variants, 5) == (0, 1, 2, 4, 5)
+    assert program_lengths("ngram", variants, 2) == (0, 1, 2)
+    assert verify_programs("draft", variants) == variants and program_lengths("draft", variants, 4) == (4,)
 
 
 @pytest.mark.parametrize("source", ["ngram", *DRAFTS])
