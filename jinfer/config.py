@@ -175,7 +175,7 @@ class EngineConfig:
         "draft: guessed by draft_model (exact either way: the same tokens as without; used only where "
         "it pays); off (draft when draft_model is set)",
     )
-    num_draft_tokens: int = setting(4, "draft tokens a speculative decode step verifies per request")
+    num_draft_tokens: int = setting(8, "the most draft tokens a speculative decode step verifies per request")
     draft_model: str | None = setting(
         None,
         "a smaller model of the same vocabulary that drafts for speculative decoding (any path jinfer "

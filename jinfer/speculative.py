@@ -3,7 +3,7 @@ decoding one at a time would give.
 
 A decode step reads every weight to make one token per row; a verify step feeds each row its last
 token and k draft tokens (`DRAFT_SOURCES`: guessed from its own prompt and output by
-`ngram_drafts`, the tokens that followed the latest earlier occurrence of the row's last 1-3
+`ngram_drafts`, the tokens that followed the latest earlier occurrence of the row's last 1-6
 tokens; or a small draft model's greedy continuation, `jinfer.draft`) through one pass, and so
 gets the logits of k + 1 positions for the price of about one while the batch is small:
 
@@ -56,9 +56,12 @@ from jinfer.models import llama
 from jinfer.sampling import pick
 from jinfer.state import SlotState, sample_rows, scan_rows
 
-LONGEST_NGRAM = 3  # the longest suffix looked up; shorter ones only when it has no earlier match
+LONGEST_NGRAM = 6  # the longest suffix looked up; shorter ones only when it has no earlier match
 RECORD_DECAY = 0.8  # weight of a request's earlier verify steps of a kind in its record, per such step
 RELAX = 0.99  # weight of a record against the prior, per decode step without a draft verified
+# Below this share of recent verify steps that checked a draft, a slot bucket's dispatches decode
+# plainly (the device chose plain steps anyway) until the share, relaxing toward 1, is back above.
+USEFUL_FLOOR = 0.25
 
 
 def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.Array, ...]:
@@ -106,16 +109,23 @@ class DraftSource(NamedTuple):
     # (weights, caches, slot state, block tables, active rows, k, **step options) -> drafts [rows, k],
     # which are real [rows, k], each row's kind of draft [rows] and the caches.
     draft: Callable
-    # Per kind, a request's record before its first verify step of that kind: (accepted, rejected)
-    # draft tokens, as seen over SmolLM2's edits and chats (n-gram: matches of 1, 2, 3 tokens).
+    # Per kind, a request's record before its first draft of that kind is checked: (accepted,
+    # rejected) draft tokens, of little weight (a request's own drafts soon outweigh it).
     priors: tuple[tuple[float, float], ...]
     per_step: bool  # the device picks each step's draft length; else the host, per dispatch
 
 
-# Trained heads (EAGLE / MTP) would be a source reading the target's hidden states.
+def _prior(alpha: float, weight: float = 2.0) -> tuple[float, float]:
+    return alpha * weight, (1 - alpha) * weight
+
+
+# N-gram drafts' kinds are their match lengths, 1 .. LONGEST_NGRAM: over SmolLM2's greedy edits and
+# chats (every position of 13 outputs), a draft token was accepted with chance 0.32 after a 1-token
+# match, 0.65, 0.77, 0.85, 0.87 after 2-5 tokens and 0.92 after 6 or more. Trained heads (EAGLE /
+# MTP) would be a source reading the target's hidden states.
 DRAFT_SOURCES = {
-    "ngram": DraftSource(_ngram_source, ((1.0, 2.0), (2.0, 1.0), (4.5, 0.5)), per_step=True),
-    "draft": DraftSource(_model_source, ((2.0, 1.0),), per_step=False),
+    "ngram": DraftSource(_ngram_source, tuple(map(_prior, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92))), True),
+    "draft": DraftSource(_model_source, (_prior(2 / 3, 3.0),), per_step=False),
 }
 
 
@@ -327,7 +337,9 @@ class Speculation:
     per step (`best_length`) and the host's per dispatch (`_best`) both take the length with the
     most expected tokens per unit of cost. While a request's drafts go unchecked, its record drifts
     back toward the prior, so one whose drafts failed for a while is tried again where trying can
-    pay (never where even the prior would not).
+    pay (never where even the prior would not). Where the device picks, each slot bucket also keeps
+    the share of its recent verify steps that checked any draft (`useful`): a batch whose steps all
+    decode plainly is spared the verify program's lookups, `USEFUL_FLOOR`.
     """
 
     def __init__(self, layout):
@@ -339,6 +351,7 @@ class Speculation:
         # A verify step's time over a decode step's (`Device.verify_cost` measures them at
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
+        self.useful = dict.fromkeys(self.lengths, 1.0)
 
     def _chances(self, request) -> np.ndarray:
         """[kinds] α per kind, from the request's record."""
@@ -377,8 +390,8 @@ class Speculation:
     def choose(self, rows: int, owners: list, steps: int) -> tuple[int, DraftPlan] | None:
         """A verify dispatch of `steps` steps for the rows [rows] (their owners): its program's
         draft length and its plan; or None for a plain decode dispatch. Where the device picks
-        lengths, whenever some length could pay with every drafting row at its best kind; else the
-        length that pays best, if one does."""
+        lengths, whenever some length could pay with every drafting row at its best kind and the
+        bucket's steps were of use lately; else the length that pays best, if one does."""
         drafting = np.array([r is not None and r.speculative for r in owners])
         if rows not in self.lengths or not drafting.any():
             return None
@@ -390,7 +403,9 @@ class Speculation:
         per_step = DRAFT_SOURCES[self.source].per_step
         alphas = [float(c.max() if per_step else c[0]) for c in chances[drafting]]
         k, tokens_per_cost = self._best(rows, busy, alphas)
-        if tokens_per_cost > busy:
+        if per_step and self.useful[rows] < USEFUL_FLOOR:
+            self.useful[rows] += (1 - self.useful[rows]) * (1 - RELAX**steps)
+        elif tokens_per_cost > busy:
             k = max(self.lengths[rows]) if per_step else k
             lengths = program_lengths(self.source, self.variants, k)
             costs = np.array([self.cost[rows, n] if n else 1.0 for n in lengths], np.float32)
@@ -411,6 +426,11 @@ class Speculation:
         record, and the engine's `DispatchCounts`. Rows that may not draft (opted out, penalised,
         constrained) take part without a record: their steps are plain ones to them."""
         emitted = (tokens.reshape(steps, -1, tokens.shape[-1]) >= 0).sum(axis=1)  # [steps, rows]
+        taken = emitted.any(axis=1)
+        if taken.any():
+            share = float((checked[taken] > 0).any(axis=1).mean())
+            rows = checked.shape[1]
+            self.useful[rows] = RECORD_DECAY * self.useful[rows] + (1 - RECORD_DECAY) * share
         for row, request in enumerate(owners):
             if request is None or not request.speculative:
                 continue

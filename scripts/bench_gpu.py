@@ -12,7 +12,7 @@ directly on the device (no files), then times jinfer's own compiled steps:
   * prefill: one `--prefill-tokens` prompt chunk; MFU as above;
   * mixed prefill: at the most slots, one decode step alone, carrying a prompt chunk of
     `--mixed-tokens`, and that chunk as a prefill dispatch of its own;
-  * speculative decoding at batch 1: verify steps of 1, 2 and 4 draft tokens against a decode
+  * speculative decoding at batch 1: verify steps of 1, 2, 4 and 8 draft tokens against a decode
     step, and the speed-up that implies at draft acceptance rates 0.5 / 0.7 / 0.9 (random weights
     make no text worth drafting from, so the rate is assumed, the cost measured).
 Bandwidth (1 GiB reductions and matrix-vector products) and the matmul rate (8192^3 in the
@@ -56,6 +56,7 @@ from jinfer.layout import resolve_layout
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
+from jinfer.speculative import LONGEST_NGRAM, DraftPlan, program_lengths, verify_programs
 from jinfer.state import pack_chunk
 from jinfer.steps import build_steps
 
@@ -200,24 +201,30 @@ def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> 
 
 
 def bench_speculative(cfg, base, mesh, shardings, params, dtype, args) -> dict:
-    """Batch 1: a decode step against verify steps of 1, 2 and 4 draft tokens (every draft
+    """Batch 1: a decode step against verify steps of 1, 2, 4 and 8 draft tokens (every draft
     proposed; per step), and the batch-1 speed-up that implies at draft acceptance rates a (each
     draft token accepted with chance a given the ones before): (1 + a + ... + a^k) / cost."""
-    engine = layout_of(dataclasses.replace(base, max_slots=1, speculative="ngram", num_draft_tokens=4), cfg)
+    engine = layout_of(dataclasses.replace(base, max_slots=1, speculative="ngram", num_draft_tokens=8), cfg)
     steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
-    bucket = steps.attention_bucket(args.context + args.calls * engine.decode_steps * 5 + 1)
+    bucket = steps.attention_bucket(args.context + args.calls * engine.decode_steps * 9 + 1)
     row_steps, tables = jnp.full((1,), engine.decode_steps, jnp.int32), tables_of(steps)
-    no, yes = jnp.zeros((1,), bool), jnp.ones((1,), bool)
-    progress("speculative: batch-1 decode against verify steps of 1, 2, 4 draft tokens")
+    no = jnp.zeros((1,), bool)
+    progress("speculative: batch-1 decode against verify steps of 1, 2, 4, 8 draft tokens")
+    ((_, longest),) = verify_programs(engine.speculative, engine.verify_variants)
+    lengths = program_lengths(engine.speculative, engine.verify_variants, longest)
 
     def decode(carried):
         cache, state, out = steps.decode[1, bucket](params, *carried, tables, row_steps, no, False)
         return (cache, state), out
 
     def verify(k):
+        # The program of every length, made to take k (each step would pick; here every one drafts).
+        chances, costs = np.full((1, LONGEST_NGRAM), 0.5, np.float32), np.ones(len(lengths), np.float32)
+        plan = DraftPlan(np.ones(1, bool), chances, costs, np.int32(lengths.index(k)))
+
         def call(carried):
-            cache, state, out, _ = steps.verify[1, bucket, k](
-                params, *carried, tables, row_steps, yes, no, False
+            cache, state, out, *_ = steps.verify[1, bucket, longest](
+                params, *carried, tables, row_steps, plan, no, False
             )
             return (cache, state), out
 

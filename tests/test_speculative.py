@@ -17,7 +17,15 @@ from tiny import VOCAB
 import jinfer
 from jinfer.config import EngineConfig
 from jinfer.loading import CheckpointError
-from jinfer.speculative import Speculation, best_length, ngram_drafts, program_lengths, verify_programs
+from jinfer.speculative import (
+    DRAFT_SOURCES,
+    LONGEST_NGRAM,
+    Speculation,
+    best_length,
+    ngram_drafts,
+    program_lengths,
+    verify_programs,
+)
 
 GREEDY = jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = jinfer.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
@@ -72,12 +80,12 @@ def test_drafts_follow_the_latest_longest_earlier_match():
     history[0, :9] = [5, 6, 7, 8, 1, 5, 6, 7, 9]  # tail 6 7 9: no 3- or 2-gram match; 1-gram 9: none
     history[1, :9] = [5, 6, 7, 8, 2, 6, 7, 5, 6]  # tail 7 5 6 -> none; 5 6 at 0 -> 7 8 2 6
     history[2, :8] = [1, 2, 3, 4, 1, 2, 3, 1]  # 1-gram 1: latest at 4 -> 2 3 1 (then unknown)
-    history[3, :6] = [9, 8, 9, 8, 9, 8]  # 8 9 8 at 1 (latest earlier) -> 9 8, then unknown
+    history[3, :6] = [9, 8, 9, 8, 9, 8]  # 9 8 9 8 at 0 (the longest earlier match) -> 9 8, then unknown
     positions = np.array([8, 8, 7, 5])  # the last token's position
     drafts, real, matched = (
         np.asarray(a) for a in jax.jit(ngram_drafts, static_argnums=2)(history, positions, 4)
     )
-    assert matched.tolist() == [0, 2, 1, 3]
+    assert matched.tolist() == [0, 2, 1, 4]
     assert not real[0].any()
     assert drafts[1].tolist() == [7, 8, 2, 6] and real[1].all()
     assert drafts[2, :3].tolist() == [2, 3, 1] and real[2].tolist() == [True, True, True, False]
@@ -121,13 +129,13 @@ def test_the_host_verifies_where_some_length_could_pay():
         return policy
 
     variants = ((1, 1), (1, 2), (1, 4), (16, 1))
-    cost = {(1, 1): 1.3, (1, 2): 1.6, (1, 4): 2.1, (16, 1): 1.9}
+    cost = {(1, 1): 1.3, (1, 2): 1.6, (1, 4): 2.1, (16, 1): 2.0}  # 16x1: 1 + 0.92 of a token, at best
     ngram = policy("ngram", variants, cost)
     k, plan = ngram.choose(1, [Row(speculative=True, draft_record=None)], steps=4)
     assert k == 4 and plan.drafting.tolist() == [True] and plan.force == -1
     assert plan.costs.tolist() == pytest.approx([1.0, 1.3, 1.6, 2.1])  # lengths 0, 1, 2, 4
-    assert plan.chances[0].tolist() == pytest.approx([1 / 3, 2 / 3, 0.9])
-    failing = np.array([[0.0, 5.0]] * 3, np.float32)
+    assert plan.chances[0].tolist() == pytest.approx([a / (a + r) for a, r in DRAFT_SOURCES["ngram"].priors])
+    failing = np.array([[0.0, 5.0]] * LONGEST_NGRAM, np.float32)
     drifting = Row(speculative=True, draft_record=failing.copy())
     plain = 0
     while ngram.choose(1, [drifting], steps=4) is None:
@@ -138,6 +146,18 @@ def test_the_host_verifies_where_some_length_could_pay():
     assert all(ngram.choose(16, crowd, steps=4) is None for _ in range(100))
     assert crowd[0].draft_record is None
     assert ngram.choose(1, [Row(speculative=False, draft_record=None)], steps=4) is None
+    # A bucket whose verify steps all decoded plainly (no draft checked) decodes plainly for a
+    # while, then tries again.
+    tokens = np.full((4, 5, 1), -1)
+    tokens[:, 0] = 7  # each step emitted its first token only
+    counts = Row(draft_tokens=0, accepted_tokens=0)
+    idle = Row(speculative=True, draft_record=None, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
+    while ngram.choose(1, [idle], steps=4) is not None:
+        ngram.record([idle], tokens.reshape(20, 1), 4, np.zeros((4, 1), int), np.zeros((4, 1), int), counts)
+    plain = 1
+    while ngram.choose(1, [idle], steps=4) is None:
+        plain += 1
+    assert 1 < plain < 20 and idle.verify_steps == 0 and idle.draft_record is None
 
     model = policy("draft", variants, cost)
     copying = Row(speculative=True, draft_record=np.array([[40.0, 1.0]], np.float32))
@@ -238,6 +258,29 @@ def test_sampled_tokens_keep_the_models_distribution(pair):
         chi2 += float(((observed - expected) ** 2 / expected).sum())
         dof += len(choices) - 1
     assert _chi2_sf(chi2, dof) > 1e-3, (chi2, dof)
+
+
+def test_each_step_of_a_dispatch_takes_its_own_draft_length(pair, monkeypatch):
+    """An n-gram request's steps inside one verify dispatch each take their own length: plain where
+    its match is short (or its drafts of that match length failed), the longest where its match is
+    long; every token as without speculation."""
+    off, on = pair
+    policy = on.engine.speculation
+    # Costs fixed (not this machine's): 1-token matches never pay, long ones pay for every draft.
+    monkeypatch.setattr(policy, "cost", {key: 1.0 + 0.4 * key[1] for key in policy.cost})
+    dispatches = []  # per verify dispatch, its steps' drafts checked (the request alone: row 0)
+    record = policy.record
+
+    def recording(owners, tokens, steps, checked, kinds, counts):
+        emitted = (tokens.reshape(steps, -1, tokens.shape[-1]) >= 0).sum(axis=1)
+        dispatches.append([int(checked[step, 0]) for step in range(steps) if emitted[step, 0]])
+        return record(owners, tokens, steps, checked, kinds, counts)
+
+    monkeypatch.setattr(policy, "record", recording)
+    prompt, sampling = _repeating(21, 40), dataclasses.replace(GREEDY, max_tokens=60)
+    assert on.generate([prompt], sampling)[0].token_ids == off.generate([prompt], sampling)[0].token_ids
+    longest = max(policy.lengths[1])
+    assert any(0 in steps and longest in steps for steps in dispatches), dispatches
 
 
 @pytest.mark.parametrize("source", ["ngram", "draft-self"])
