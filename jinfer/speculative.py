@@ -62,6 +62,9 @@ RELAX = 0.99  # weight of a record against the prior, per decode step without a 
 # Below this share of recent verify steps that checked a draft, a slot bucket's dispatches decode
 # plainly (the device chose plain steps anyway) until the share, relaxing toward 1, is back above.
 USEFUL_FLOOR = 0.25
+# Weight of earlier checked drafts of a kind in the engine's prior for fresh records, per draft
+# checked: a workload's requests start where its earlier ones ended (`Speculation.prior`).
+ENGINE_DECAY = 0.98
 
 
 def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.Array, ...]:
@@ -109,14 +112,9 @@ class DraftSource(NamedTuple):
     # (weights, caches, slot state, block tables, active rows, k, **step options) -> drafts [rows, k],
     # which are real [rows, k], each row's kind of draft [rows] and the caches.
     draft: Callable
-    # Per kind, a request's record before its first draft of that kind is checked: (accepted,
-    # rejected) draft tokens, of little weight (a request's own drafts soon outweigh it).
-    priors: tuple[tuple[float, float], ...]
+    # Per kind, the chance that a draft token is accepted before any is checked (`Speculation.prior`).
+    priors: tuple[float, ...]
     per_step: bool  # the device picks each step's draft length; else the host, per dispatch
-
-
-def _prior(alpha: float, weight: float = 2.0) -> tuple[float, float]:
-    return alpha * weight, (1 - alpha) * weight
 
 
 # N-gram drafts' kinds are their match lengths, 1 .. LONGEST_NGRAM: over SmolLM2's greedy edits and
@@ -124,8 +122,8 @@ def _prior(alpha: float, weight: float = 2.0) -> tuple[float, float]:
 # match, 0.65, 0.77, 0.85, 0.87 after 2-5 tokens and 0.92 after 6 or more. Trained heads (EAGLE /
 # MTP) would be a source reading the target's hidden states.
 DRAFT_SOURCES = {
-    "ngram": DraftSource(_ngram_source, tuple(map(_prior, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92))), True),
-    "draft": DraftSource(_model_source, (_prior(2 / 3, 3.0),), per_step=False),
+    "ngram": DraftSource(_ngram_source, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92), per_step=True),
+    "draft": DraftSource(_model_source, (2 / 3,), per_step=False),
 }
 
 
@@ -347,11 +345,18 @@ class Speculation:
         self.lengths: dict[int, list[int]] = {}  # slot bucket -> its draft lengths
         for rows, k in variants:
             self.lengths.setdefault(rows, []).append(k)
-        self.prior = np.array(DRAFT_SOURCES[source].priors, np.float32)  # [kinds, 2]
+        alphas = np.array(DRAFT_SOURCES[source].priors, np.float32)
+        self.seen = 10 * np.stack([alphas, 1 - alphas], axis=1)  # [kinds, 2] for `prior`
         # A verify step's time over a decode step's (`Device.verify_cost` measures them at
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
         self.useful = dict.fromkeys(self.lengths, 1.0)
+
+    @property
+    def prior(self) -> np.ndarray:
+        """[kinds, 2]: a fresh request's record, of weight 2 per kind, at the acceptance seen so far
+        (the source's prior counting as ~10 checked drafts at first)."""
+        return 2 * self.seen / self.seen.sum(axis=1, keepdims=True)
 
     def _chances(self, request) -> np.ndarray:
         """[kinds] α per kind, from the request's record."""
@@ -444,7 +449,9 @@ class Speculation:
                 request.verify_steps += 1
                 record = self.prior.copy() if request.draft_record is None else request.draft_record
                 kind = kinds[step, row]
-                record[kind] = RECORD_DECAY * record[kind] + (accepted, accepted < proposed)
+                seen = (accepted, accepted < proposed)
+                record[kind] = RECORD_DECAY * record[kind] + seen
                 request.draft_record = record
+                self.seen[kind] = ENGINE_DECAY * self.seen[kind] + seen
                 counts.draft_tokens += proposed
                 counts.accepted_tokens += accepted
