@@ -35,7 +35,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jinfer.speculative import DraftPlan
 from jinfer.state import PackedChunk
+
+# Arguments of several arrays (pytrees), sent leaf by leaf and rebuilt from their leaves.
+COMPOSITE = {"chunk": PackedChunk, "plan": DraftPlan}
 
 log = logging.getLogger("jinfer.cluster")
 
@@ -93,14 +97,15 @@ class ClusterFailure(RuntimeError):
 # ------------------------------------------------------------------------------- messages
 def encode(verb: str, args: tuple) -> bytes:
     """One call as bytes: a JSON header (the verb, each argument's kind, dtype and shape) and the
-    arguments' raw bytes. Arguments are None, packed prompt chunks, or numpy arrays and scalars."""
+    arguments' raw bytes. Arguments are None, `COMPOSITE` ones, or numpy arrays and scalars."""
     header, blobs = [verb], []
     for arg in args:
         if arg is None:
             header.append(None)
             continue
-        arrays = (arg.ints, arg.floats) if isinstance(arg, PackedChunk) else (np.asarray(arg),)
-        header.append(["chunk" if isinstance(arg, PackedChunk) else "array"])
+        kind = next((name for name, cls in COMPOSITE.items() if isinstance(arg, cls)), "array")
+        arrays = jax.tree.leaves(arg) if kind in COMPOSITE else (np.asarray(arg),)
+        header.append([kind])
         for array in arrays:
             array = np.asarray(array, order="C")  # (np.ascontiguousarray makes a scalar 1-d)
             header[-1].append([array.dtype.str, list(array.shape)])
@@ -124,7 +129,7 @@ def decode(message: bytes) -> tuple[str, tuple]:
             count = int(np.prod(shape))
             arrays.append(np.frombuffer(message, dtype, count, at).reshape(tuple(shape)))
             at += count * dtype.itemsize
-        args.append(PackedChunk(*arrays) if kind[0] == "chunk" else arrays[0][()])
+        args.append(COMPOSITE[kind[0]](*arrays) if kind[0] in COMPOSITE else arrays[0][()])
     return verb, tuple(args)
 
 

@@ -20,6 +20,7 @@ import jinfer
 from jinfer.cluster import decode, encode
 from jinfer.config import EngineConfig
 from jinfer.sampling import SamplingArrays, SamplingParams
+from jinfer.speculative import DraftPlan
 from jinfer.state import pack_chunk
 
 # The server's serving defaults, spelled out so that the in-process reference runs the same engine.
@@ -126,6 +127,13 @@ def test_a_call_survives_its_message_bit_for_bit():
     np.testing.assert_array_equal(back[6].ints, chunk.ints)
     np.testing.assert_array_equal(back[6].floats, chunk.floats)
     assert decode(encode("prefill", (None, chunk)))[1][0] is None
+    chances, costs = np.full((2, 6), 0.5, np.float32), np.ones(5, np.float32)
+    plan = DraftPlan(np.array([True, False]), chances, costs, np.int32(-1))
+    _, (back_plan,) = decode(encode("verify", (plan,)))
+    assert isinstance(back_plan, DraftPlan)
+    for sent, got in zip(plan, back_plan, strict=True):
+        assert np.asarray(got).dtype == np.asarray(sent).dtype
+        np.testing.assert_array_equal(got, sent)
     assert decode(encode("reset", ())) == ("reset", ())
 
 
