@@ -29,7 +29,7 @@ draft length at warm-up: on a 2-core CPU, 1.3-1.5x a decode step for 4-8 drafts 
 weights), and pays only while the drafts it checks are accepted often enough. Who judges that:
 
   * n-gram drafts cost nothing to make, and how likely one is right shows in its own match: the
-    tokens after a 3-token match are usually what a copy goes on with, after a 1-token match
+    tokens after a 6-token match are usually what a copy goes on with, after a 1-token match
     seldom. So each step picks its own draft length, 0 (a plain decode step) included, on the
     device (`best_length`), from each row's draft, the chance per match length (`kind`) that the
     row's drafts of that kind are accepted, and each length's measured cost: a request copying its
@@ -149,10 +149,10 @@ def verify_programs(source: str, variants) -> tuple[tuple[int, int], ...]:
 
 def best_length(lengths, costs, chances, kind, real, counted) -> jax.Array:
     """The index of the draft length (of `lengths`, their costs [len(lengths)] over a decode
-    step's) with the most expected tokens per unit of cost: each counted
-    row [rows] makes one token, and a row with real drafts [rows, k] (a prefix) of a kind [rows]
-    whose drafts are accepted with chance chances[row, kind] one more per draft accepted, each
-    accepted only after the ones before it: α + α² + ... over the drafts checked."""
+    step's) with the most expected tokens per unit of cost: each counted row [rows] makes one
+    token, and a row with real drafts [rows, k] (a prefix) of a kind [rows] whose drafts are
+    accepted with chance chances[row, kind] one more per draft accepted, each accepted only after
+    the ones before it: α + α² + ... over the drafts checked."""
     rows, k = real.shape
     alpha = jnp.take_along_axis(chances, kind[:, None], axis=1)  # [rows, 1]
     gains = jnp.cumsum(jnp.where(real, jnp.cumprod(jnp.broadcast_to(alpha, (rows, k)), axis=1), 0.0), axis=1)
@@ -209,10 +209,10 @@ def verify_step(
 ):
     """One verify step for the state's rows (active, deferred [rows] bool) at the draft length
     `best_length` picks of `lengths` (or the plan's forced one): the cache, the rows' state, their
-    output [k + 1, rows] (k the longest length; tokens -1 where not emitted),
-    the drafts checked [rows] and their kind [rows]. A deferred row (a grammar's) is fed and its
-    position-0 logits kept, as a decode step does. With a draft model (`jinfer.draft`) params and
-    cache are both models'."""
+    output [k + 1, rows] (k the longest length; tokens -1 where not emitted), the drafts checked
+    [rows] and their kind [rows]. A deferred row (a grammar's) is fed and its position-0 logits
+    kept, as a decode step does. With a draft model (`jinfer.draft`) params and cache are both
+    models'."""
     k = max(lengths)
     options = {"draft_cfg": draft_cfg, "vocab": vocab, **attention}
     source = DRAFT_SOURCES[source].draft
@@ -303,9 +303,8 @@ def _advance(state: SlotState, drafts, real, later, sampled) -> tuple[SlotState,
 def verify(params, cache, state, tables, row_steps, plan, deferred, want_logprobs, *, steps, **options):
     """`steps` verify steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
     row_steps[i] (a deferred slot in the first only, unsampled), by the `DraftPlan`: the cache,
-    the state, the output
-    [steps x (k + 1), rows] (tokens -1 where nothing was emitted), the drafts checked [steps, rows]
-    and their kinds [steps, rows]."""
+    the state, the output [steps x (k + 1), rows] (tokens -1 where nothing was emitted), the drafts
+    checked [steps, rows] and their kinds [steps, rows]."""
 
     def step(cache, part, active, deferred):
         cache, part, out, checked, kind = verify_step(
