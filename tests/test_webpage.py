@@ -314,7 +314,7 @@ def test_errors_read_as_sentences_and_the_page_recovers(page, server):
     release = threading.Event()
 
     def hold():
-        body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        body = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}  # held till released
         with httpx.stream("POST", server + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
             for _ in r.iter_lines():
                 if release.is_set():
