@@ -223,18 +223,16 @@ class Device:
                 times.append(time.perf_counter() - start)
             return min(times)
 
-        for rows in sorted({rows for rows, _ in layout.verify_variants}):
-            busy = np.full(rows, layout.decode_steps, np.int32)
-            none = np.zeros(rows, bool)
-            decode = best(partial(self.decode, rows, attn_len, busy, none, np.False_))
-            for program_rows, k in verify_programs(layout.speculative, layout.verify_variants):
-                if program_rows != rows:
-                    continue
-                for index, n in enumerate(program_lengths(layout.speculative, layout.verify_variants, k)):
-                    if n:
-                        plan = self._plan(rows, k, index)
-                        verify = partial(self.verify, rows, attn_len, k, plan, busy, none, np.False_)
-                        costs[rows, n] = best(lambda verify=verify: verify()[0]) / decode
+        decode = {}  # per slot bucket, its decode step's time
+        for rows, k in verify_programs(layout.speculative, layout.verify_variants):
+            busy, none = np.full(rows, layout.decode_steps, np.int32), np.zeros(rows, bool)
+            if rows not in decode:
+                decode[rows] = best(partial(self.decode, rows, attn_len, busy, none, np.False_))
+            for index, n in enumerate(program_lengths(layout.speculative, layout.verify_variants, k)):
+                if n:
+                    plan = self._plan(rows, k, index)
+                    verify = partial(self.verify, rows, attn_len, k, plan, busy, none, np.False_)
+                    costs[rows, n] = best(lambda verify=verify: verify()[0]) / decode[rows]
         return costs
 
     def consumed(self) -> bool:
