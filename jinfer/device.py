@@ -206,33 +206,41 @@ class Device:
         chances, costs = np.full((rows, kinds), 0.5, np.float32), np.ones(len(lengths), np.float32)
         return DraftPlan(np.ones(rows, bool), chances, costs, np.int32(force))
 
-    def verify_cost(self, rounds: int = 5) -> dict[tuple[int, int], float]:
-        """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's
-        (the best of `rounds` each, every row busy, at the smallest attention bucket, the program
-        made to take that length). The caller sets block tables that map nowhere first (the busy
-        rows write) and runs it with no request in a slot (their state is left for the next
-        prefill to set)."""
+    def verify_cost(self, rounds: int = 7) -> dict[tuple[int, int], float]:
+        """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's,
+        every row busy, at the smallest attention bucket, the program made to take that length.
+        Each round times a decode dispatch and then each length's in turn, so a slow spell of the
+        machine slows both sides of a ratio; a length's cost is its median ratio over the rounds,
+        at least a shorter length's and at least 1 (a verify step does a decode step's work and
+        more: a cost measured below it would make drafts that are never accepted look free). The
+        caller sets block tables that map nowhere first (the busy rows write) and runs it with no
+        request in a slot (their state is left for the next prefill to set)."""
         layout, costs = self.steps.layout, {}
         attn_len = layout.attention_buckets[0]
 
-        def best(call):
-            times = []
-            for _ in range(rounds):
-                start = time.perf_counter()
-                jax.block_until_ready(call().tokens)
-                times.append(time.perf_counter() - start)
-            return min(times)
+        def seconds(call):
+            start = time.perf_counter()
+            jax.block_until_ready(call().tokens)
+            return time.perf_counter() - start
 
-        decode = {}  # per slot bucket, its decode step's time
         for rows, k in verify_programs(layout.speculative, layout.verify_variants):
             busy, none = np.full(rows, layout.decode_steps, np.int32), np.zeros(rows, bool)
-            if rows not in decode:
-                decode[rows] = best(partial(self.decode, rows, attn_len, busy, none, np.False_))
-            for index, n in enumerate(program_lengths(layout.speculative, layout.verify_variants, k)):
-                if n:
-                    plan = self._plan(rows, k, index)
-                    verify = partial(self.verify, rows, attn_len, k, plan, busy, none, np.False_)
-                    costs[rows, n] = best(lambda verify=verify: verify()[0]) / decode[rows]
+            decode = partial(self.decode, rows, attn_len, busy, none, np.False_)
+            lengths = program_lengths(layout.speculative, layout.verify_variants, k)
+            verifies = {
+                n: partial(self.verify, rows, attn_len, k, self._plan(rows, k, index), busy, none, np.False_)
+                for index, n in enumerate(lengths)
+                if n
+            }
+            ratios = {n: [] for n in verifies}
+            for _ in range(rounds):
+                plain = seconds(decode)
+                for n, verify in verifies.items():
+                    ratios[n].append(seconds(lambda verify=verify: verify()[0]) / plain)
+            costs.update({(rows, n): float(np.median(r)) for n, r in ratios.items()})
+        for rows, n in sorted(costs):  # shorter lengths first
+            shorter = [costs[rows, m] for m in range(n) if (rows, m) in costs]
+            costs[rows, n] = max(costs[rows, n], 1.0, *shorter)
         return costs
 
     def consumed(self) -> bool:

@@ -386,7 +386,11 @@ def test_no_compiles_after_warmup_and_penalised_or_opted_out_requests_decode_pla
     (first,) = llm.generate([cached_prompt], GREEDY)
     # The warm-up's timed rows are busy: they must not write into the pages the prefix cache holds.
     llm.engine.warmup()
-    assert set(llm.engine.speculation.cost) == set(llm.engine.layout.verify_variants)
+    cost = llm.engine.speculation.cost
+    assert set(cost) == set(llm.engine.layout.verify_variants)
+    # Measured, yet never below a decode step nor below a shorter length of the same slot bucket.
+    assert all(c >= 1.0 for c in cost.values())
+    assert all(cost[rows, k] >= cost[r, n] for rows, k in cost for r, n in cost if r == rows and n < k)
     # Costs that let verifying pay, whatever this machine measured: every program gets used.
     llm.engine.speculation.cost = dict.fromkeys(llm.engine.speculation.cost, 1.1)
     hits = llm.engine.kv.hits
