@@ -36,6 +36,7 @@ ENGINE = {
     "mixed_prefill_tokens": 0,
 }
 PROMPTS = ["Once upon a time", "The capital of France is"]
+REPEATING = "red green blue, red green blue, red green blue, red green blue"  # n-gram drafts from the start
 GREEDY = {"max_tokens": 12, "temperature": 0.0}
 SEEDED = {"max_tokens": 12, "temperature": 1.0, "seed": 7}
 
@@ -49,9 +50,9 @@ def _flags(options: dict) -> list[str]:
 
 
 def _start(
-    command: list[str], rank: int, coordinator: str, mesh: tuple[int, int], log_dir
+    command: list[str], rank: int, coordinator: str, mesh: tuple[int, int], log_dir, extra=None
 ) -> subprocess.Popen:
-    flags = _flags(ENGINE | {"mesh_data": mesh[0], "mesh_model": mesh[1]})
+    flags = _flags(ENGINE | {"mesh_data": mesh[0], "mesh_model": mesh[1]} | (extra or {}))
     flags += ["--coordinator", coordinator, "--num-processes", "2", "--process-id", str(rank)]
     log = open(log_dir / f"process-{rank}.log", "w")  # noqa: SIM115 - the process owns it
     env = os.environ | {"JAX_NUM_CPU_DEVICES": "2"}
@@ -64,11 +65,12 @@ def _logs(log_dir) -> str:
 
 
 @contextlib.contextmanager
-def serving(model: str, mesh: tuple[int, int], log_dir, timeout: float = 300):
-    """Two `jinfer serve` processes, one cluster; yields (base URL, [leader, follower])."""
+def serving(model: str, mesh: tuple[int, int], log_dir, timeout: float = 300, extra=None):
+    """Two `jinfer serve` processes, one cluster (`extra`: engine options beyond ENGINE); yields
+    (base URL, [leader, follower])."""
     port, coordinator = _free_port(), f"127.0.0.1:{_free_port()}"
     command = ["serve", "--model", model, "--port", str(port), "--served-model-name", "tiny"]
-    procs = [_start(command, rank, coordinator, mesh, log_dir) for rank in (0, 1)]
+    procs = [_start(command, rank, coordinator, mesh, log_dir, extra) for rank in (0, 1)]
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -106,7 +108,7 @@ def _reference(model: str, mesh: tuple[int, int]) -> dict[str, list[str]]:
     llm = jinfer.LLM(model, mesh_data=mesh[0], mesh_model=mesh[1], **ENGINE)
     assert len(llm.engine.mesh.devices.flat) == 4
     return {
-        name: [c.text for c in llm.generate(PROMPTS, SamplingParams(**knobs))]
+        name: [c.text for c in llm.generate([*PROMPTS, REPEATING], SamplingParams(**knobs))]
         for name, knobs in (("greedy", GREEDY), ("seeded", SEEDED))
     }
 
@@ -159,7 +161,8 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """mesh -> {"greedy" | "seeded": the prompts' completions by one process on four devices}."""
+    """mesh -> {"greedy" | "seeded": the completions of PROMPTS and REPEATING by one process on four
+    devices}."""
     return functools.cache(lambda mesh: _reference(model, mesh))
 
 
@@ -180,10 +183,11 @@ def test_two_processes_serve_what_one_process_on_four_devices_serves(cluster, re
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     complete = lambda prompt, **knobs: client.completions.create(model="tiny", prompt=prompt, **knobs)
     for name, knobs in (("greedy", GREEDY), ("seeded", SEEDED)):
-        assert [complete(p, **knobs).choices[0].text for p in PROMPTS] == expected[name], name
+        want = expected[name][: len(PROMPTS)]
+        assert [complete(p, **knobs).choices[0].text for p in PROMPTS] == want, name
         streams = [complete(p, stream=True, **knobs) for p in PROMPTS]  # both run at once, in two slots
         streamed = ["".join(chunk.choices[0].text for chunk in stream) for stream in streams]
-        assert streamed == expected[name], name
+        assert streamed == want, name
     after = _settled_processes(base)
     compiles = lambda processes: [p["compiled_programs"] for p in processes]
     assert compiles(after) == compiles(warm), "a process compiled after its warm-up"
@@ -242,4 +246,24 @@ def test_a_batch_job_on_two_processes_writes_what_one_process_would(model, refer
             p.kill()
     assert codes == [0, 0], _logs(tmp_path)
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert [records[str(i)]["text"] for i in range(len(PROMPTS))] == reference(mesh)["greedy"]
+    assert [records[str(i)]["text"] for i in range(len(PROMPTS))] == reference(mesh)["greedy"][: len(PROMPTS)]
+
+
+def test_a_speculating_cluster_serves_what_one_process_decoding_serves(model, reference, tmp_path):
+    """N-gram speculation over data 2 x model 2 (each verify call's draft plan crosses to the
+    follower): the texts one process gives without speculation, greedy and seeded, with drafts
+    checked; nothing compiled after the warm-up."""
+    mesh = (2, 2)
+    expected = reference(mesh)
+    with serving(model, mesh, tmp_path, extra={"speculative": "ngram", "num_draft_tokens": 3}) as (base, _):
+        warm = _settled_processes(base)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        complete = lambda prompt, **knobs: client.completions.create(model="tiny", prompt=prompt, **knobs)
+        drafted = 0
+        for name, knobs in (("greedy", GREEDY), ("seeded", SEEDED)):
+            answers = [complete(p, **knobs) for p in (*PROMPTS, REPEATING)]
+            assert [a.choices[0].text for a in answers] == expected[name], name
+            drafted += sum(t["draft_tokens"] for a in answers for t in a.model_extra["jinfer"]["timings"])
+        assert drafted > 0, "no draft was checked"
+        compiles = lambda processes: [p["compiled_programs"] for p in processes]
+        assert compiles(_settled_processes(base)) == compiles(warm), "a process compiled after its warm-up"
