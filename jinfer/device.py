@@ -207,14 +207,15 @@ class Device:
         return DraftPlan(np.ones(rows, bool), chances, costs, np.int32(force))
 
     def verify_cost(self, rounds: int = 7) -> dict[tuple[int, int], float]:
-        """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's,
-        every row busy, at the smallest attention bucket, the program made to take that length.
-        Each round times a decode dispatch and then each length's in turn, so a slow spell of the
-        machine slows both sides of a ratio; a length's cost is its median ratio over the rounds,
-        at least a shorter length's and at least 1 (a verify step does a decode step's work and
-        more: a cost measured below it would make drafts that are never accepted look free). The
-        caller sets block tables that map nowhere first (the busy rows write) and runs it with no
-        request in a slot (their state is left for the next prefill to set)."""
+        """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's
+        that feeds no draft model (the engine's step without speculation), every row busy, at the
+        smallest attention bucket, the program made to take that length. Each round times a
+        decode dispatch and then each length's in turn, so a slow spell of the machine slows both
+        sides of a ratio; a length's cost is its median ratio over the rounds, at least a shorter
+        length's and at least 1 (a verify step does a decode step's work and more: a cost measured
+        below it would make drafts that are never accepted look free). The caller sets block
+        tables that map nowhere first (the busy rows write) and runs it with no request in a slot
+        (their state is left for the next prefill to set)."""
         layout, costs = self.steps.layout, {}
         attn_len = layout.attention_buckets[0]
 
@@ -225,7 +226,7 @@ class Device:
 
         for rows, k in verify_programs(layout.speculative, layout.verify_variants):
             busy, none = np.full(rows, layout.decode_steps, np.int32), np.zeros(rows, bool)
-            decode = partial(self.decode, rows, attn_len, busy, none, np.False_)
+            decode = partial(self.decode, rows, attn_len, busy, none, np.False_, False)
             lengths = program_lengths(layout.speculative, layout.verify_variants, k)
             verifies = {
                 n: partial(self.verify, rows, attn_len, k, self._plan(rows, k, index), busy, none, np.False_)
