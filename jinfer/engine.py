@@ -203,6 +203,7 @@ class Engine:
     ) -> Request:
         """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check."""
         sampling = prepared.sampling
+        speculative = self.speculation is not None and may_draft(sampling, prepared.grammar is not None)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_ids=prepared.prompt_ids,
@@ -216,9 +217,9 @@ class Engine:
                 self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ()), prepared.tools is None
             ),
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
-            kv=SequencePages(salt=prepared.cache_salt),
+            kv=SequencePages(prepared.cache_salt, drafted=speculative and self.steps.draft_model is not None),
             constraint=prepared.grammar.start() if prepared.grammar is not None else None,
-            speculative=self.speculation is not None and may_draft(sampling, prepared.grammar is not None),
+            speculative=speculative,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:

@@ -14,8 +14,10 @@ all sequences (`kv_cache.KVCache`); this module decides which pages:
 A full page's key is a hash of (the previous page's key, its tokens): equal keys mean equal token
 prefixes, so equal K/V. The first key also takes a salt (`cache_salt`: tenants that must not share
 cached prompts use different salts). Keys are SHA-256 digests: a tenant cannot craft a collision
-that reads another's cache. Page 0 is never allocated: block-table entries that map no page point
-at it, and no write ever lands there (writes to unmapped positions are dropped on the device).
+that reads another's cache. With a draft model (`jinfer.draft`) a page may hold the draft's K/V
+too, or not (its writer did not draft): a drafting sequence finds only pages that do. Page 0 is
+never allocated: block-table entries that map no page point at it, and no write ever lands there
+(writes to unmapped positions are dropped on the device).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class PagePool:
         self._free = list(range(1, num_pages))
         self._key_of: dict[int, bytes] = {}  # cached page -> its key
         self._page_of: dict[bytes, int] = {}  # key -> cached page
+        self._drafted: set[int] = set()  # cached pages that hold the draft model's K/V too
         # Cached pages nobody references, least recently released first (evicted in this order).
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
 
@@ -87,12 +90,13 @@ class PagePool:
     def refs(self, page: int) -> int:
         return self._refs[page]
 
-    def lookup(self, keys: Iterable[bytes]) -> list[int]:
-        """The cached pages of the longest run of leading `keys` (not yet referenced: `share` them)."""
+    def lookup(self, keys: Iterable[bytes], drafted: bool = False) -> list[int]:
+        """The cached pages of the longest run of leading `keys` (not yet referenced: `share` them);
+        `drafted`: of pages that hold the draft model's K/V too."""
         pages = []
         for key in keys:
             page = self._page_of.get(key)
-            if page is None:
+            if page is None or (drafted and page not in self._drafted):
                 break
             pages.append(page)
         return pages
@@ -109,6 +113,7 @@ class PagePool:
             else:
                 page, _ = self._evictable.popitem(last=False)
                 del self._page_of[self._key_of.pop(page)]
+                self._drafted.discard(page)
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -133,13 +138,22 @@ class PagePool:
                 else:
                     heapq.heappush(self._free, page)
 
-    def register(self, page: int, key: bytes) -> None:
-        """Make a full, referenced page findable under `key`. A key already cached keeps its page
-        (two sequences computed the same prefix at once: the second copy is freed with its owner)."""
-        if key in self._page_of or page in self._key_of:
+    def register(self, page: int, key: bytes, drafted: bool = False) -> None:
+        """Make a full, referenced page findable under `key` (`drafted`: it holds the draft
+        model's K/V too). A key already cached keeps its page (two sequences computed the same
+        prefix at once: the second copy is freed with its owner), unless only the new one holds
+        the draft's K/V: the old one then leaves the index."""
+        if page in self._key_of:
             return
+        cached = self._page_of.get(key)
+        if cached is not None:
+            if not drafted or cached in self._drafted:
+                return
+            self.forget([cached])
         self._key_of[page] = key
         self._page_of[key] = page
+        if drafted:
+            self._drafted.add(page)
 
     def forget(self, pages: Iterable[int] | None = None) -> None:
         """Take pages (None: every page) out of the prefix index, their contents no longer trusted;
@@ -149,6 +163,7 @@ class PagePool:
             if key is None:
                 continue
             del self._page_of[key]
+            self._drafted.discard(page)
             if page in self._evictable:
                 del self._evictable[page]
                 heapq.heappush(self._free, page)
@@ -163,6 +178,9 @@ class SequencePages:
     pages: list[int] = dataclasses.field(default_factory=list)  # its block table, in order
     keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of its full pages, as known
     registered: int = 0  # its first pages already findable in the index (or found there)
+    # Its K/V goes to the draft model's cache too (a drafting request, `jinfer.draft`): it starts
+    # only from cached pages that hold the draft's K/V, and its own are cached as holding them.
+    drafted: bool = False
 
 
 class KVPages:
@@ -195,7 +213,7 @@ class KVPages:
         full = (len(tokens) - 1) // self.page_size
         if len(seq.keys) < full:
             extend_keys(seq.keys, tokens[: full * self.page_size], self.page_size, seq.salt)
-        return self.pool.lookup(seq.keys[:full])
+        return self.pool.lookup(seq.keys[:full], seq.drafted)
 
     def cost(self, hits: Sequence[int], capacity: int) -> int:
         """Pages the pool gives up to place a sequence of `capacity` positions that starts with
@@ -225,7 +243,7 @@ class KVPages:
         if not self.prefix_caching or computed % self.page_size:
             return computed
         start = computed // self.page_size
-        found = self.pool.lookup(seq.keys[start : (len(tokens) - 1) // self.page_size])
+        found = self.pool.lookup(seq.keys[start : (len(tokens) - 1) // self.page_size], seq.drafted)
         if not found:
             return computed
         self.pool.share(found)
@@ -256,7 +274,7 @@ class KVPages:
         if len(seq.keys) < full:
             extend_keys(seq.keys, tokens()[: full * self.page_size], self.page_size, seq.salt)
         for page, key in zip(seq.pages[seq.registered : full], seq.keys[seq.registered : full], strict=True):
-            self.pool.register(page, key)
+            self.pool.register(page, key, seq.drafted)
         seq.registered = full
 
     def remove(self, seq: SequencePages, slot: int | None, poisoned: bool = False) -> list[int]:

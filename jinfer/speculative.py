@@ -378,7 +378,7 @@ class Speculation:
         if speculating and rows in self.lengths and self._best(rows, busy, prior)[1] > busy:
             return True
         for request in speculating:
-            request.speculative = False
+            request.speculative = request.kv.drafted = False
         return False
 
     def _best(self, rows: int, busy: int, alphas: list[float]) -> tuple[int, float]:

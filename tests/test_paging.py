@@ -71,6 +71,24 @@ def test_a_key_cached_twice_keeps_its_first_page_and_the_copy_is_freed():
     assert pool.lookup([key]) == [first] and pool.available == 2 and pool.cached == 1
 
 
+def test_drafting_sequences_find_only_pages_that_hold_the_drafts_k_v():
+    """A page cached without the draft model's K/V is found by sequences that do not draft only,
+    until a drafting sequence caches its own copy of it: that one replaces it in the index."""
+    pool = PagePool(5, 4)
+    keys = _keys(range(8))
+    plain = pool.allocate(2)
+    pool.register(plain[0], keys[0])
+    pool.register(plain[1], keys[1], drafted=True)
+    assert pool.lookup(keys) == plain and pool.lookup(keys, drafted=True) == []
+    copy = pool.allocate(1)
+    pool.register(copy[0], keys[0], drafted=True)
+    assert pool.lookup(keys, drafted=True) == pool.lookup(keys) == [copy[0], plain[1]]
+    pool.release(plain)  # the replaced page, no longer cached, is free once released
+    assert pool.available == 3 and pool.cached == 2
+    pool.forget([copy[0]])
+    assert pool.lookup(keys, drafted=True) == []
+
+
 def test_forgotten_pages_are_no_longer_found_and_unreferenced_ones_become_free():
     pool = PagePool(4, 4)
     keys = _keys(range(8))

@@ -174,11 +174,13 @@ def test_the_host_verifies_where_some_length_could_pay():
     k, _ = model.choose(1, [Row(speculative=True, draft_record=np.array([[3.0, 2.0]], np.float32))], steps=4)
     assert k == 1  # α 0.6: (1 + 0.6) / 1.3 beats 2 and 4 drafts
     # A draft model is fed by plain steps only where a verify step could pay at the prior; where
-    # none could, its requests stop drafting.
-    alone, crowd = Row(speculative=True, draft_record=None), [Row(speculative=True, draft_record=None)] * 8
+    # none could, its requests stop drafting (and caching pages as holding the draft's K/V).
+    drafting = lambda: Row(speculative=True, draft_record=None, kv=Row(drafted=True))
+    alone, crowd = drafting(), [drafting()] * 8
     bucket = lambda busy: next(b for b in (1, 4, 16, 32) if b >= busy)
-    assert model.feeds_draft([alone, *[None] * 31], bucket) and alone.speculative
-    assert not model.feeds_draft([*crowd, *[None] * 24], bucket) and not crowd[0].speculative
+    assert model.feeds_draft([alone, *[None] * 31], bucket) and alone.speculative and alone.kv.drafted
+    assert not model.feeds_draft([*crowd, *[None] * 24], bucket)
+    assert not crowd[0].speculative and not crowd[0].kv.drafted
     assert not model.feeds_draft([*[None] * 31, alone], bucket) and not alone.speculative  # none at 32
 
 
@@ -339,6 +341,26 @@ def test_a_crowd_where_verifying_cannot_pay_runs_without_the_draft(pair, specula
     (alone,) = on.generate([_repeating(9, 30)], GREEDY)
     assert alone.metrics["accepted_tokens"] == alone.metrics["draft_tokens"] > 0
     assert on.engine.compile_count() == compiled  # the warm-up compiled decoding without the draft
+
+
+def test_a_drafting_request_finds_only_cached_pages_that_hold_the_drafts_k_v(pair, speculating):
+    """A request that does not draft writes no K/V of the draft model: a drafting request with the
+    same prompt computes its pages again (the draft would guess from whatever they held before),
+    then finds them cached with the draft's K/V; a request that does not draft finds either."""
+    on, kv = speculating["draft-self"], speculating["draft-self"].engine.kv
+    prompt = _repeating(11, 100)  # a whole page of 64 positions to find again
+    opted_out = dataclasses.replace(GREEDY, speculative=False)
+    (plain,) = on.generate([prompt], opted_out)
+    hits = kv.hits
+    (drafting,) = on.generate([prompt], GREEDY)
+    assert kv.hits == hits and drafting.token_ids == plain.token_ids
+    (again,) = on.generate([prompt], GREEDY)
+    assert kv.hits > hits and again.token_ids == plain.token_ids
+    for completion in (drafting, again):  # its own greedy continuation: every draft accepted
+        assert completion.metrics["accepted_tokens"] == completion.metrics["draft_tokens"] > 0
+    hits = kv.hits
+    on.generate([prompt], opted_out)
+    assert kv.hits > hits
 
 
 def test_cancel_frees_the_slot_and_sends_nothing_more(pair):
