@@ -173,6 +173,16 @@ def test_the_host_verifies_where_some_length_could_pay():
     assert k == 4 and plan.costs.tolist() == pytest.approx([2.1])
     k, _ = model.choose(1, [Row(speculative=True, draft_record=np.array([[3.0, 2.0]], np.float32))], steps=4)
     assert k == 1  # α 0.6: (1 + 0.6) / 1.3 beats 2 and 4 drafts
+    # Where its passes are dear (the embedded Q4_1 file drafting for its float32 self), a fresh
+    # request tries the draft model anyway; one whose drafts agree at 0.6 does not.
+    dear = policy(
+        "draft", ((1, 1), (1, 2), (1, 4), (1, 8)), {(1, 1): 1.9, (1, 2): 2.4, (1, 4): 3.7, (1, 8): 4.9}
+    )
+    assert dear.choose(1, [Row(speculative=True, draft_record=None)], steps=4)[0] == 8
+    assert (
+        dear.choose(1, [Row(speculative=True, draft_record=np.array([[3.0, 2.0]], np.float32))], steps=4)
+        is None
+    )
     # A draft model is fed by plain steps only where a verify step could pay at the prior; where
     # none could, its requests stop drafting (and caching pages as holding the draft's K/V).
     drafting = lambda: Row(speculative=True, draft_record=None, kv=Row(drafted=True))
