@@ -114,9 +114,8 @@ class Engine:
             layout.draft_tokens,
         )
         self.speculation = Speculation(layout) if layout.verify_variants else None
-        tables = self.kv.tables.copy()  # the device's, as of _tables_version
-        self.device = Device(self.steps, carried, self.dtype, tables, llama.unpacked(params))
-        self._tables_version = self.kv.version
+        self.device = Device(self.steps, carried, self.dtype, self.kv.tables.copy(), llama.unpacked(params))
+        self._tables_version = self.kv.version  # of the device's block tables
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, layout.max_seq_len)
         # Dispatched, not yet read: (owners, output, (steps, drafts proposed) of a verify dispatch).
