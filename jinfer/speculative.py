@@ -120,11 +120,9 @@ class DraftSource(NamedTuple):
 # N-gram drafts' kinds are their match lengths, 1 .. LONGEST_NGRAM: over SmolLM2's greedy edits and
 # chats (every position of 13 outputs), a draft token was accepted with chance 0.32 after a 1-token
 # match, 0.65, 0.77, 0.85, 0.87 after 2-5 tokens and 0.92 after 6 or more. A draft model's prior is
-# optimistic, as its pick by the operator is: where its passes are dear (the embedded Q4_1 file
-# drafting for its float32 self: 8 drafts cost 4.9 steps) only a draft that is nearly always right
-# pays, and a prior below that would never try it; one that agrees less is found out by the first
-# drafts checked (the engine's prior follows them). Trained heads (EAGLE / MTP) would be a source
-# reading the target's hidden states.
+# optimistic: where its passes are dear only a draft that is nearly always right pays, and a lower
+# prior would never try one; one that agrees less shows it in its first checked drafts (the
+# engine's prior follows them). Trained heads (EAGLE / MTP) would read the target's hidden states.
 DRAFT_SOURCES = {
     "ngram": DraftSource(_ngram_source, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92), per_step=True),
     "draft": DraftSource(_model_source, (0.9,), per_step=False),
@@ -361,9 +359,9 @@ class Speculation:
         (the source's prior counting as ~10 checked drafts at first)."""
         return 2 * self.seen / self.seen.sum(axis=1, keepdims=True)
 
-    def _chances(self, request) -> np.ndarray:
-        """[kinds] α per kind, from the request's record."""
-        record = self.prior if request.draft_record is None else request.draft_record
+    @staticmethod
+    def _chances(record: np.ndarray) -> np.ndarray:
+        """[kinds] α per kind, from a record [kinds, 2] (accepted, rejected)."""
         return record[:, 0] / record.sum(axis=1)
 
     def feeds_draft(self, holders: list, slot_bucket) -> bool:
@@ -378,7 +376,7 @@ class Speculation:
         owners = holders[:rows]
         speculating = [r for r in owners if r is not None and r.speculative]
         busy = sum(r is not None for r in owners)
-        prior = [float(np.max(self.prior[:, 0] / self.prior.sum(axis=1)))] * len(speculating)
+        prior = [float(np.max(self._chances(self.prior)))] * len(speculating)
         if speculating and rows in self.lengths and self._best(rows, busy, prior)[1] > busy:
             return True
         for request in speculating:
@@ -405,9 +403,11 @@ class Speculation:
             return None
         busy = sum(r is not None for r in owners)
         speculating = [r for r, d in zip(owners, drafting, strict=True) if d]
-        chances = np.zeros((rows, len(self.prior)), np.float32)
+        prior = self.prior
+        chances = np.zeros((rows, len(prior)), np.float32)
         for row in np.flatnonzero(drafting):
-            chances[row] = self._chances(owners[row])
+            record = owners[row].draft_record
+            chances[row] = self._chances(prior if record is None else record)
         per_step = DRAFT_SOURCES[self.source].per_step
         alphas = [float(c.max() if per_step else c[0]) for c in chances[drafting]]
         k, tokens_per_cost = self._best(rows, busy, alphas)
