@@ -69,7 +69,9 @@ class Request:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
-    draft_record: np.ndarray | None = None  # [kinds, 2]; None: no draft checked yet
+    # [kinds + 1, 2]: per kind, draft tokens accepted and rejected; then over all kinds, tokens
+    # accepted and those the engine's chances expected of the same checks. None: none checked yet.
+    draft_record: np.ndarray | None = None
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)

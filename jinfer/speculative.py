@@ -37,9 +37,9 @@ weights), and pays only while the drafts it checks are accepted often enough. Wh
   * a draft model's drafts cost a pass per token, so the host picks their number per dispatch,
     before they are made.
 
-Host side, `Speculation` keeps each request's record (per kind: accepted and rejected draft
-tokens, decaying), sends the rows' chances and the lengths' costs with each verify dispatch, and
-dispatches plain decode steps where no length could pay even for the rows' best drafts.
+Host side, `Speculation` keeps each request's record of its drafts' fate, sends the rows' chances
+and the lengths' costs with each verify dispatch, and dispatches plain decode steps where no
+length could pay even for the rows' best drafts.
 """
 
 from __future__ import annotations
@@ -57,13 +57,15 @@ from jinfer.sampling import pick
 from jinfer.state import SlotState, sample_rows, scan_rows
 
 LONGEST_NGRAM = 6  # the longest suffix looked up; shorter ones only when it has no earlier match
-RECORD_DECAY = 0.8  # weight of a request's earlier verify steps of a kind in its record, per such step
-RELAX = 0.99  # weight of a record against the prior, per decode step without a draft verified
+RECORD_DECAY = 0.8  # weight of a request's earlier evidence in its record, per verify step adding some
+RELAX = 0.99  # weight of a request's evidence, per decode step without a draft checked
+PRIOR_WEIGHT = 2.0  # draft tokens' worth of evidence that a request's estimates start from
+HIGHEST_CHANCE = 0.99  # no kind's chance is taken as certain
 # Below this share of recent verify steps that checked a draft, a slot bucket's dispatches decode
 # plainly (the device chose plain steps anyway) until the share, relaxing toward 1, is back above.
 USEFUL_FLOOR = 0.25
-# Weight of earlier checked drafts of a kind in the engine's prior for fresh records, per draft
-# checked: a workload's requests start where its earlier ones ended (`Speculation.prior`).
+# Weight of earlier checked drafts of a kind in the engine's chances for requests without evidence
+# of their own, per draft checked: a workload's requests start where its earlier ones ended.
 ENGINE_DECAY = 0.98
 
 
@@ -112,8 +114,7 @@ class DraftSource(NamedTuple):
     # (weights, caches, slot state, block tables, active rows, k, **step options) -> drafts [rows, k],
     # which are real [rows, k], each row's kind of draft [rows] and the caches.
     draft: Callable
-    # Per kind, the chance that a draft token is accepted before any is checked (`Speculation.prior`).
-    priors: tuple[float, ...]
+    priors: tuple[float, ...]  # per kind: a draft token's chance of acceptance before any is checked
     per_step: bool  # the device picks each step's draft length; else the host, per dispatch
 
 
@@ -326,19 +327,20 @@ def may_draft(sampling, constrained: bool) -> bool:
 
 class Speculation:
     """The host's side of speculative decoding (see the module docstring): per decode dispatch, a
-    verify program or plain decode steps, from each request's record and each length's measured
-    cost.
+    verify program or plain decode steps, from each request's chances and each length's cost.
 
-    A request's record (`Request.draft_record`, [kinds, 2]: decaying counts of accepted and
-    rejected draft tokens per kind) gives the chance α that a draft token of that kind is accepted,
-    given the ones before it were; a verify step of k drafts is then expected to emit
-    1 + α + α² + ... + α^k tokens for the row, 1 for a row without a draft. The device's choice
-    per step (`best_length`) and the host's per dispatch (`_best`) both take the length with the
-    most expected tokens per unit of cost. While a request's drafts go unchecked, its record drifts
-    back toward the prior, so one whose drafts failed for a while is tried again where trying can
-    pay (never where even the prior would not). Where the device picks, each slot bucket also keeps
-    the share of its recent verify steps that checked any draft (`useful`): a batch whose steps all
-    decode plainly is spared the verify program's lookups, `USEFUL_FLOOR`.
+    α, the chance that a draft token is accepted given the ones before it were, is estimated per
+    request and kind (`chances`): the engine's acceptance of the kind so far (`seen`), scaled by
+    how the request's drafts of every kind fared against the engine's, moved toward its own drafts
+    of the kind as they add up (`Request.draft_record`, decaying). Pooled so, a chat's drafts
+    rejected after one match length lower its chances after every length, and a copy's raise them.
+    A verify step of k drafts is expected to emit 1 + α + ... + α^k tokens for the row, 1 for a
+    row without a draft; the device per step (`best_length`) and the host per dispatch (`_best`)
+    take the length with the most expected tokens per unit of cost. While a request's drafts go
+    unchecked its evidence fades, so one whose drafts failed is tried again after a while. Where
+    the device picks, each slot bucket also keeps the share of its recent verify steps that checked
+    any draft (`useful`): a batch whose steps all decode plainly is spared the verify program's
+    lookups, `USEFUL_FLOOR`.
     """
 
     def __init__(self, layout):
@@ -347,37 +349,37 @@ class Speculation:
         for rows, k in variants:
             self.lengths.setdefault(rows, []).append(k)
         alphas = np.array(DRAFT_SOURCES[source].priors, np.float32)
-        self.seen = 10 * np.stack([alphas, 1 - alphas], axis=1)  # [kinds, 2] for `prior`
+        # [kinds, 2]: decaying counts of draft tokens accepted and rejected over all requests, the
+        # source's priors counting as ~10 checked drafts at first.
+        self.seen = 10 * np.stack([alphas, 1 - alphas], axis=1)
         # A verify step's time over a decode step's (`Device.verify_cost` measures them at
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
         self.useful = dict.fromkeys(self.lengths, 1.0)
 
-    @property
-    def prior(self) -> np.ndarray:
-        """[kinds, 2]: a fresh request's record, of weight 2 per kind, at the acceptance seen so far
-        (the source's prior counting as ~10 checked drafts at first)."""
-        return 2 * self.seen / self.seen.sum(axis=1, keepdims=True)
-
-    @staticmethod
-    def _chances(record: np.ndarray) -> np.ndarray:
-        """[kinds] α per kind, from a record [kinds, 2] (accepted, rejected)."""
-        return record[:, 0] / record.sum(axis=1)
+    def chances(self, record: np.ndarray | None) -> np.ndarray:
+        """[kinds]: α per kind for a request with this record (None: no evidence of its own)."""
+        engine = self.seen[:, 0] / self.seen.sum(axis=1)
+        if record is None:
+            return engine
+        own, (accepted, expected) = record[:-1], record[-1]
+        pooled = np.minimum(engine * (accepted + PRIOR_WEIGHT) / (expected + PRIOR_WEIGHT), HIGHEST_CHANCE)
+        return (own[:, 0] + PRIOR_WEIGHT * pooled) / (own.sum(axis=1) + PRIOR_WEIGHT)
 
     def feeds_draft(self, holders: list, slot_bucket) -> bool:
         """Whether a dispatch that is not a verify step (prompt chunks, plain and mixed decode
         steps) feeds a draft model (`jinfer.draft`: its cache must hold every position for its
         drafts to be any good): only where a verify step could pay for the batch of every slot's
         holder (`slot_bucket`: the rows for the highest busy slot + 1) with every drafting request
-        at the prior. Where none could (a batch this large), the dispatch skips the draft's passes,
-        which cost a share of every token, and the requests that drafted stop drafting (the draft's
-        cache now misses positions of theirs)."""
+        at the engine's chances. Where none could (a batch this large), the dispatch skips the
+        draft's passes, which cost a share of every token, and the requests that drafted stop
+        drafting (the draft's cache now misses positions of theirs)."""
         rows = slot_bucket(max(slot for slot, r in enumerate(holders) if r is not None) + 1)
         owners = holders[:rows]
         speculating = [r for r in owners if r is not None and r.speculative]
         busy = sum(r is not None for r in owners)
-        prior = [float(np.max(self._chances(self.prior)))] * len(speculating)
-        if speculating and rows in self.lengths and self._best(rows, busy, prior)[1] > busy:
+        alphas = [float(np.max(self.chances(None)))] * len(speculating)
+        if speculating and rows in self.lengths and self._best(rows, busy, alphas)[1] > busy:
             return True
         for request in speculating:
             request.speculative = request.kv.drafted = False
@@ -403,11 +405,9 @@ class Speculation:
             return None
         busy = sum(r is not None for r in owners)
         speculating = [r for r, d in zip(owners, drafting, strict=True) if d]
-        prior = self.prior
-        chances = np.zeros((rows, len(prior)), np.float32)
+        chances = np.zeros((rows, len(self.seen)), np.float32)
         for row in np.flatnonzero(drafting):
-            record = owners[row].draft_record
-            chances[row] = self._chances(prior if record is None else record)
+            chances[row] = self.chances(owners[row].draft_record)
         per_step = DRAFT_SOURCES[self.source].per_step
         alphas = [float(c.max() if per_step else c[0]) for c in chances[drafting]]
         k, tokens_per_cost = self._best(rows, busy, alphas)
@@ -419,14 +419,8 @@ class Speculation:
             costs = np.array([self.cost[rows, n] if n else 1.0 for n in lengths], np.float32)
             return k, DraftPlan(drafting, chances, costs, np.int32(-1))
         for request in speculating:
-            self._relax(request, steps)
+            _fade(request, steps)
         return None
-
-    def _relax(self, request, steps: int) -> None:
-        """Move the request's record toward the prior, as for `steps` steps without a draft checked."""
-        if request.draft_record is not None:
-            relax = RELAX**steps
-            request.draft_record = relax * request.draft_record + (1 - relax) * self.prior
 
     def record(self, owners: list, tokens: np.ndarray, steps: int, checked, kinds, counts) -> None:
         """A verify dispatch's results (its tokens [steps x (k + 1), rows], -1 where none was
@@ -445,16 +439,23 @@ class Speculation:
             for step in np.flatnonzero(emitted[:, row]):
                 proposed, accepted = int(checked[step, row]), int(emitted[step, row]) - 1
                 if not proposed:
-                    self._relax(request, 1)
+                    _fade(request, 1)
                     continue
                 request.drafted_tokens += proposed
                 request.accepted_tokens += accepted
                 request.verify_steps += 1
-                record = self.prior.copy() if request.draft_record is None else request.draft_record
-                kind = kinds[step, row]
-                seen = (accepted, accepted < proposed)
-                record[kind] = RECORD_DECAY * record[kind] + seen
+                kind, rejected = kinds[step, row], accepted < proposed
+                engine, record = self.seen[kind, 0] / self.seen[kind].sum(), request.draft_record
+                record = np.zeros((len(self.seen) + 1, 2), np.float32) if record is None else record
+                record[kind] = RECORD_DECAY * record[kind] + (accepted, rejected)
+                record[-1] = RECORD_DECAY * record[-1] + (accepted, engine * (accepted + rejected))
                 request.draft_record = record
-                self.seen[kind] = ENGINE_DECAY * self.seen[kind] + seen
+                self.seen[kind] = ENGINE_DECAY * self.seen[kind] + (accepted, rejected)
                 counts.draft_tokens += proposed
                 counts.accepted_tokens += accepted
+
+
+def _fade(request, steps: int) -> None:
+    """A request's evidence after `steps` decode steps without a draft checked."""
+    if request.draft_record is not None:
+        request.draft_record = request.draft_record * RELAX**steps

@@ -8,7 +8,8 @@ a target step.
 
 Workloads, greedy:
   * edit: requests whose answer repeats their input (fix the spelling of a paragraph, add a line
-    to a function): drafts looked up in the prompt are accepted often;
+    to a function, rename a variable in the assistant's own earlier answer): drafts looked up in
+    the prompt are accepted often;
   * chat: free-form questions, where drafts are rarely right: the adaptive rule must keep the
     engine at the speed it has without speculation.
 Batch 1 (one request at a time: decode tokens/s, from the first token to the last) and 8 / 32
@@ -18,7 +19,7 @@ of the paired ratios, lowest and highest), draft tokens accepted / proposed, tok
 step, and the share of decode dispatches that verified. The engines' verify cost table (a verify
 step's time over a decode step's, measured at warm-up) is printed per model.
 
-    python scripts/bench_speculative.py [--rounds 3] [--tokens 128] [--slots 1,8,32]
+    python scripts/bench_speculative.py [--rounds 5] [--tokens 128] [--slots 1,8,32]
         [--weights q4_1,float32] [--out results]
 
 Writes results/bench_speculative.{json,md}.
@@ -56,23 +57,38 @@ CODE = '''def moving_average(values, window):
     return averages
 '''
 MISSPELT = PARAGRAPH.replace("process", "proccess").replace("energy", "enrgy").replace("which", "wich")
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# Conversations whose answers repeat their input: two one-shot edits and a revision of the
+# assistant's own earlier answer.
 EDITS = [
-    "Fix the spelling mistakes in this text and return the corrected text only:\n\n" + MISSPELT,
-    "Add the line 'Raises ValueError for a non-positive window.' to the docstring of this function "
-    "and return the full function:\n\n" + CODE,
+    ask("Fix the spelling mistakes in this text and return the corrected text only:\n\n" + MISSPELT),
+    ask(
+        "Add the line 'Raises ValueError for a non-positive window.' to the docstring of this function "
+        "and return the full function:\n\n" + CODE
+    ),
+    [
+        *ask("Write a Python function that computes moving averages."),
+        {"role": "assistant", "content": "```python\n" + CODE + "```"},
+        *ask("Rename `total` to `running_total` and show the whole function again."),
+    ],
 ]
 CHATS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a bicycle stays upright.",
-    "Give me ideas for a rainy weekend.",
-    "Why is the sky blue?",
+    ask("Write a short story about a robot who learns to paint."),
+    ask("Explain how a bicycle stays upright."),
+    ask("Give me ideas for a rainy weekend."),
+    ask("Why is the sky blue?"),
 ]
+WORKLOADS = {"edit": EDITS, "chat": CHATS}
 
 
-def conversations(kind: str, count: int) -> list[list[dict]]:
-    mixed = [text for pair in zip(EDITS * 2, CHATS, strict=True) for text in pair]
-    texts = {"edit": EDITS, "chat": CHATS, "mixed": mixed}[kind]
-    return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(count)]
+def mixed(count: int) -> list[list[dict]]:
+    """`count` conversations, edits and chats in turn."""
+    return [EDITS[i // 2 % len(EDITS)] if i % 2 == 0 else CHATS[i // 2 % len(CHATS)] for i in range(count)]
 
 
 def run(llm, kind: str, count: int, tokens: int) -> tuple[float, list]:
@@ -80,12 +96,12 @@ def run(llm, kind: str, count: int, tokens: int) -> tuple[float, list]:
     several: all at once, completion tokens over wall time) and its completions."""
     sampling = jinfer.SamplingParams(max_tokens=tokens, temperature=0)
     if count == 1:
-        outs = [llm.chat([chat], sampling)[0] for chat in conversations(kind, len(EDITS))]
+        outs = [llm.chat([chat], sampling)[0] for chat in WORKLOADS[kind]]
         decoding = sum(len(c.token_ids) - 1 for c in outs)
         seconds = sum((len(c.token_ids) - 1) / c.metrics["decode_tokens_per_s"] for c in outs)
         return decoding / seconds, outs
     start = time.perf_counter()
-    outs = llm.chat(conversations(kind, count), [sampling] * count)
+    outs = llm.chat(mixed(count), [sampling] * count)
     return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - start), outs
 
 
@@ -134,7 +150,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--slots", default="1,8,32")
     parser.add_argument("--weights", default="q4_1,float32", help="which of q4_1, float32 to measure")

@@ -118,8 +118,8 @@ def test_each_step_takes_the_draft_length_with_the_most_tokens_per_cost():
 def test_the_host_verifies_where_some_length_could_pay():
     """Host-side policy on stand-in requests: n-gram rows get the program of every length (the
     device picks) while their best kind could pay; a draft model's rows get the length that pays
-    best; plain decoding, with records drifting back toward the prior, where none could; nothing
-    for rows that may not draft."""
+    best; plain decoding, with a request's evidence fading, where none could; nothing for rows that
+    may not draft."""
     from types import SimpleNamespace as Row
 
     def policy(source, variants, cost):
@@ -128,6 +128,10 @@ def test_the_host_verifies_where_some_length_could_pay():
         policy.cost = cost
         return policy
 
+    def evidence(own, pooled=(0.0, 0.0)):
+        """A request's record: per kind (accepted, rejected), then (accepted, expected) of all kinds."""
+        return np.array([*own, pooled], np.float32)
+
     variants = ((1, 1), (1, 2), (1, 4), (16, 1))
     cost = {(1, 1): 1.3, (1, 2): 1.6, (1, 4): 2.1, (16, 1): 2.0}  # 16x1: 1 + 0.92 of a token, at best
     ngram = policy("ngram", variants, cost)
@@ -135,13 +139,13 @@ def test_the_host_verifies_where_some_length_could_pay():
     assert k == 4 and plan.drafting.tolist() == [True] and plan.force == -1
     assert plan.costs.tolist() == pytest.approx([1.0, 1.3, 1.6, 2.1])  # lengths 0, 1, 2, 4
     assert plan.chances[0].tolist() == pytest.approx(DRAFT_SOURCES["ngram"].priors)
-    failing = np.array([[0.0, 5.0]] * LONGEST_NGRAM, np.float32)
+    failing = evidence([[0.0, 5.0]] * LONGEST_NGRAM, pooled=(0.0, 5.0))
     drifting = Row(speculative=True, draft_record=failing.copy())
     plain = 0
     while ngram.choose(1, [drifting], steps=4) is None:
         plain += 1
         assert plain < 50
-    assert plain >= 3 and (drifting.draft_record[:, 0] > 0).all()
+    assert plain >= 3 and (ngram.chances(drifting.draft_record) > ngram.chances(failing)).all()
     crowd = [Row(speculative=True, draft_record=None) for _ in range(8)] + [None] * 8
     assert all(ngram.choose(16, crowd, steps=4) is None for _ in range(100))
     assert crowd[0].draft_record is None
@@ -158,6 +162,15 @@ def test_the_host_verifies_where_some_length_could_pay():
     while ngram.choose(1, [idle], steps=4) is None:
         plain += 1
     assert 1 < plain < 20 and idle.verify_steps == 0 and idle.draft_record is None
+    # A request's drafts rejected after 6-token matches lower its chances after every match
+    # length; drafts accepted raise them.
+    engine = ngram.chances(None)
+    rejecting = Row(speculative=True, draft_record=None, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
+    ngram.record([rejecting], tokens[:1].reshape(5, 1), 1, np.array([[4]]), np.array([[5]]), counts)
+    assert (ngram.chances(rejecting.draft_record) < engine).all()
+    copying = Row(speculative=True, draft_record=None, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
+    ngram.record([copying], np.full((5, 1), 7), 1, np.array([[4]]), np.array([[5]]), counts)
+    assert (ngram.chances(copying.draft_record) > engine).all()
     # Fresh requests start from the acceptance the engine has seen: drafts after 6-token matches
     # rejected again and again lower a newcomer's chance for them.
     for _ in range(10):
@@ -168,21 +181,19 @@ def test_the_host_verifies_where_some_length_could_pay():
     assert fresh[:5] == pytest.approx(plan.chances[0][:5])
 
     model = policy("draft", variants, cost)
-    copying = Row(speculative=True, draft_record=np.array([[40.0, 1.0]], np.float32))
+    copying = Row(speculative=True, draft_record=evidence([[40.0, 1.0]]))
     k, plan = model.choose(1, [copying], steps=4)
     assert k == 4 and plan.costs.tolist() == pytest.approx([2.1])
-    k, _ = model.choose(1, [Row(speculative=True, draft_record=np.array([[3.0, 2.0]], np.float32))], steps=4)
-    assert k == 1  # α 0.6: (1 + 0.6) / 1.3 beats 2 and 4 drafts
+    agreeing = evidence([[3.0, 3.0]])  # α (3 + 2 x 0.9) / (6 + 2) = 0.6
+    k, _ = model.choose(1, [Row(speculative=True, draft_record=agreeing)], steps=4)
+    assert k == 1  # (1 + 0.6) / 1.3 beats 2 and 4 drafts
     # Where its passes are dear (the embedded Q4_1 file drafting for its float32 self), a fresh
     # request tries the draft model anyway; one whose drafts agree at 0.6 does not.
     dear = policy(
         "draft", ((1, 1), (1, 2), (1, 4), (1, 8)), {(1, 1): 1.9, (1, 2): 2.4, (1, 4): 3.7, (1, 8): 4.9}
     )
     assert dear.choose(1, [Row(speculative=True, draft_record=None)], steps=4)[0] == 8
-    assert (
-        dear.choose(1, [Row(speculative=True, draft_record=np.array([[3.0, 2.0]], np.float32))], steps=4)
-        is None
-    )
+    assert dear.choose(1, [Row(speculative=True, draft_record=agreeing)], steps=4) is None
     # A draft model is fed by plain steps only where a verify step could pay at the prior; where
     # none could, its requests stop drafting (and caching pages as holding the draft's K/V).
     drafting = lambda: Row(speculative=True, draft_record=None, kv=Row(drafted=True))
@@ -289,8 +300,10 @@ def test_each_step_of_a_dispatch_takes_its_own_draft_length(pair, monkeypatch):
     long; every token as without speculation."""
     off, on = pair
     policy = on.engine.speculation
-    # Costs fixed (not this machine's): 1-token matches never pay, long ones pay for every draft.
+    # Costs fixed (not this machine's): 1-token matches never pay, long ones pay for every draft;
+    # the engine's acceptance so far as a fresh engine's.
     monkeypatch.setattr(policy, "cost", {key: 1.0 + 0.4 * key[1] for key in policy.cost})
+    monkeypatch.setattr(policy, "seen", Speculation(on.engine.layout).seen)
     dispatches = []  # per verify dispatch, its steps' drafts checked (the request alone: row 0)
     record = policy.record
 
