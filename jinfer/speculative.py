@@ -349,8 +349,7 @@ class Speculation:
         for rows, k in variants:
             self.lengths.setdefault(rows, []).append(k)
         alphas = np.array(DRAFT_SOURCES[source].priors, np.float32)
-        # [kinds, 2]: decaying counts of draft tokens accepted and rejected over all requests, the
-        # source's priors counting as ~10 checked drafts at first.
+        # [kinds, 2]: draft tokens accepted and rejected over all requests (priors: ~10 drafts' worth)
         self.seen = 10 * np.stack([alphas, 1 - alphas], axis=1)
         # A verify step's time over a decode step's (`Device.verify_cost` measures them at
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
