@@ -123,7 +123,7 @@ class DraftSource(NamedTuple):
 # match, 0.65, 0.77, 0.85, 0.87 after 2-5 tokens and 0.92 after 6 or more. A draft model's prior is
 # optimistic: where its passes are dear only a draft that is nearly always right pays, and a lower
 # prior would never try one; one that agrees less shows it in its first checked drafts (the
-# engine's prior follows them). Trained heads (EAGLE / MTP) would read the target's hidden states.
+# engine's chances follow them). Trained heads (EAGLE / MTP) would read the target's hidden states.
 DRAFT_SOURCES = {
     "ngram": DraftSource(_ngram_source, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92), per_step=True),
     "draft": DraftSource(_model_source, (0.9,), per_step=False),
@@ -444,7 +444,7 @@ class Speculation:
                 request.accepted_tokens += accepted
                 request.verify_steps += 1
                 kind, rejected = kinds[step, row], accepted < proposed
-                engine, record = self.seen[kind, 0] / self.seen[kind].sum(), request.draft_record
+                engine, record = self.chances(None)[kind], request.draft_record
                 record = np.zeros((len(self.seen) + 1, 2), np.float32) if record is None else record
                 record[kind] = RECORD_DECAY * record[kind] + (accepted, rejected)
                 record[-1] = RECORD_DECAY * record[-1] + (accepted, engine * (accepted + rejected))
