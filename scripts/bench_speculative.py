@@ -12,12 +12,13 @@ Workloads, greedy:
     the prompt are accepted often;
   * chat: free-form questions, where drafts are rarely right: the adaptive rule must keep the
     engine at the speed it has without speculation.
-Batch 1 (one request at a time: decode tokens/s, from the first token to the last) and 8 / 32
-concurrent requests (half edits, half chats: completion tokens / wall time). Every pair of runs
-must give identical texts. Reported per row: tokens/s off and on, their ratio (median over rounds
-of the paired ratios, lowest and highest), draft tokens accepted / proposed, tokens per verify
-step, and the share of decode dispatches that verified. The engines' verify cost table (a verify
-step's time over a decode step's, measured at warm-up) is printed per model.
+Batch 1 (one request at a time: decode tokens/s, from the first token to the last; each
+conversation on both engines in turn) and 8 / 32 concurrent requests (half edits, half chats:
+completion tokens / wall time). Every pair of runs must give identical texts. Reported per row:
+tokens/s off and on, their ratio (median over rounds of the paired ratios, lowest and highest),
+draft tokens accepted / proposed, tokens per verify step, and the share of decode dispatches that
+verified. The engines' verify cost table (a verify step's time over a decode step's, measured at
+warm-up) is printed per model.
 
     python scripts/bench_speculative.py [--rounds 5] [--tokens 128] [--slots 1,8,32]
         [--weights q4_1,float32] [--out results]
@@ -91,18 +92,31 @@ def mixed(count: int) -> list[list[dict]]:
     return [EDITS[i // 2 % len(EDITS)] if i % 2 == 0 else CHATS[i // 2 % len(CHATS)] for i in range(count)]
 
 
-def run(llm, kind: str, count: int, tokens: int) -> tuple[float, list]:
-    """Tokens/s of one workload (batch 1: the decode rate of each request in turn, summed time;
-    several: all at once, completion tokens over wall time) and its completions."""
+def decode_rate(completions) -> float:
+    """Decode tokens/s of requests run one at a time: from each one's first token to its last."""
+    decoding = sum(len(c.token_ids) - 1 for c in completions)
+    return decoding / sum((len(c.token_ids) - 1) / c.metrics["decode_tokens_per_s"] for c in completions)
+
+
+def one_round(engines: dict, kind: str, count: int, tokens: int, first: str) -> tuple[dict, dict]:
+    """Each engine's tokens/s on one round of a workload, and its completions. Batch 1: every
+    conversation on one engine and then the other (`first` leads, the lead alternating from one
+    conversation to the next), so a slow spell of the machine falls on both sides of a ratio.
+    Several: all at once, completion tokens over wall time, `first` first."""
     sampling = jinfer.SamplingParams(max_tokens=tokens, temperature=0)
+    later = {"off": "on", "on": "off"}[first]
+    outs = {"off": [], "on": []}
     if count == 1:
-        outs = [llm.chat([chat], sampling)[0] for chat in WORKLOADS[kind]]
-        decoding = sum(len(c.token_ids) - 1 for c in outs)
-        seconds = sum((len(c.token_ids) - 1) / c.metrics["decode_tokens_per_s"] for c in outs)
-        return decoding / seconds, outs
-    start = time.perf_counter()
-    outs = llm.chat(mixed(count), [sampling] * count)
-    return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - start), outs
+        for index, chat in enumerate(WORKLOADS[kind]):
+            for which in (first, later) if index % 2 == 0 else (later, first):
+                outs[which] += engines[which].chat([chat], sampling)
+        return {which: decode_rate(completions) for which, completions in outs.items()}, outs
+    rates = {}
+    for which in (first, later):
+        start = time.perf_counter()
+        outs[which] = engines[which].chat(mixed(count), [sampling] * count)
+        rates[which] = sum(len(c.token_ids) for c in outs[which]) / (time.perf_counter() - start)
+    return rates, outs
 
 
 def acceptance(outs) -> dict[str, float]:
@@ -116,16 +130,16 @@ def acceptance(outs) -> dict[str, float]:
 
 
 def measure(off, on, kind: str, count: int, args, weights: str, mode: str) -> dict:
-    """One workload on two engines (without speculation and with `mode`), alternating rounds."""
+    """One workload on two engines (without speculation and with `mode`), rounds alternating
+    which leads."""
     spec = on.engine
     rates = {"off": [], "on": []}
     identical, outs_on = True, []
     dispatches_before = (spec.dispatch_counts.decode_dispatches, spec.dispatch_counts.verify_dispatches)
     for round_index in range(args.rounds):
-        order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-        outs = {}
-        for which in order:
-            rate, outs[which] = run({"off": off, "on": on}[which], kind, count, args.tokens)
+        first = ("off", "on")[round_index % 2]
+        rates_now, outs = one_round({"off": off, "on": on}, kind, count, args.tokens, first)
+        for which, rate in rates_now.items():
             rates[which].append(rate)
         identical &= [c.text for c in outs["off"]] == [c.text for c in outs["on"]]
         outs_on += outs["on"]
