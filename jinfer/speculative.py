@@ -339,8 +339,7 @@ class Speculation:
     take the length with the most expected tokens per unit of cost. While a request's drafts go
     unchecked its evidence fades, so one whose drafts failed is tried again after a while. Where
     the device picks, each slot bucket also keeps the share of its recent verify steps that checked
-    any draft (`useful`): a batch whose steps all decode plainly is spared the verify program's
-    lookups, `USEFUL_FLOOR`.
+    any draft (`useful`): a batch whose steps all decode plainly is spared the program, `USEFUL_FLOOR`.
     """
 
     def __init__(self, layout):
@@ -356,9 +355,10 @@ class Speculation:
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
         self.useful = dict.fromkeys(self.lengths, 1.0)
 
-    def chances(self, record: np.ndarray | None) -> np.ndarray:
-        """[kinds]: α per kind for a request with this record (None: no evidence of its own)."""
-        engine = self.seen[:, 0] / self.seen.sum(axis=1)
+    def chances(self, record: np.ndarray | None, engine: np.ndarray | None = None) -> np.ndarray:
+        """[kinds]: α per kind for a request with this record (None: no evidence of its own), from
+        the engine's chances (`chances(None)`, derived here unless given)."""
+        engine = self.seen[:, 0] / self.seen.sum(axis=1) if engine is None else engine
         if record is None:
             return engine
         own, (accepted, expected) = record[:-1], record[-1]
@@ -404,9 +404,9 @@ class Speculation:
             return None
         busy = sum(r is not None for r in owners)
         speculating = [r for r, d in zip(owners, drafting, strict=True) if d]
-        chances = np.zeros((rows, len(self.seen)), np.float32)
+        engine, chances = self.chances(None), np.zeros((rows, len(self.seen)), np.float32)
         for row in np.flatnonzero(drafting):
-            chances[row] = self.chances(owners[row].draft_record)
+            chances[row] = self.chances(owners[row].draft_record, engine)
         per_step = DRAFT_SOURCES[self.source].per_step
         alphas = [float(c.max() if per_step else c[0]) for c in chances[drafting]]
         k, tokens_per_cost = self._best(rows, busy, alphas)

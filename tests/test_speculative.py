@@ -194,8 +194,8 @@ def test_the_host_verifies_where_some_length_could_pay():
     )
     assert dear.choose(1, [Row(speculative=True, draft_record=None)], steps=4)[0] == 8
     assert dear.choose(1, [Row(speculative=True, draft_record=agreeing)], steps=4) is None
-    # A draft model is fed by plain steps only where a verify step could pay at the prior; where
-    # none could, its requests stop drafting (and caching pages as holding the draft's K/V).
+    # A draft model is fed by plain steps only where a verify step could pay at the engine's
+    # chances; where none could, its requests stop drafting (and caching pages as holding the draft's K/V).
     drafting = lambda: Row(speculative=True, draft_record=None, kv=Row(drafted=True))
     alone, crowd = drafting(), [drafting()] * 8
     bucket = lambda busy: next(b for b in (1, 4, 16, 32) if b >= busy)
