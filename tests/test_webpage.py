@@ -321,10 +321,14 @@ def test_errors_read_as_sentences_and_the_page_recovers(page, server):
                     return  # closing the connection cancels the request
 
     holders = [threading.Thread(target=hold) for _ in range(3)]
-    for thread in holders:
-        thread.start()
     try:
-        wait_for(lambda: _metric(server, "jinfer_requests_waiting") == 1.0, "a full queue")
+        # One at a time: requests arriving together could fill the one queue place before the
+        # engine moves the first into a slot, and a holder would get the 429 meant for the page.
+        for thread, (gauge, value) in zip(
+            holders, [("running", 1.0), ("running", 2.0), ("waiting", 1.0)], strict=True
+        ):
+            thread.start()
+            _wait_metric(server, f"jinfer_requests_{gauge}", value, timeout=120)
         page.find("prompt").clear()
         page.set("max-tokens", "5")
         page.send("Hello again")
@@ -334,7 +338,8 @@ def test_errors_read_as_sentences_and_the_page_recovers(page, server):
     finally:
         release.set()
         for thread in holders:
-            thread.join()
+            if thread.ident is not None:  # started
+                thread.join()
     _wait_metric(server, "jinfer_slots_in_use", 0.0)
     page.find("prompt").clear()
     assert page.answer(page.send("Hello again"))["state"] == "done"
