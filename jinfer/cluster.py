@@ -25,6 +25,7 @@ as its next call to the service fails. Starting every process again restores ser
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -35,11 +36,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jinfer.speculative import DraftPlan
+from jinfer.inputs import DraftPlan, Program, RowInputs
 from jinfer.state import PackedChunk
 
-# Arguments of several arrays (pytrees), sent leaf by leaf and rebuilt from their leaves.
-COMPOSITE = {"chunk": PackedChunk, "plan": DraftPlan}
+# The typed arguments of device calls, sent field by field and rebuilt by name.
+STRUCTS = {cls.__name__: cls for cls in (RowInputs, DraftPlan, PackedChunk)}
 
 log = logging.getLogger("jinfer.cluster")
 
@@ -96,41 +97,48 @@ class ClusterFailure(RuntimeError):
 
 # ------------------------------------------------------------------------------- messages
 def encode(verb: str, args: tuple) -> bytes:
-    """One call as bytes: a JSON header (the verb, each argument's kind, dtype and shape) and the
-    arguments' raw bytes. Arguments are None, `COMPOSITE` ones, or numpy arrays and scalars."""
-    header, blobs = [verb], []
-    for arg in args:
+    """One call as bytes: a JSON header (the verb, then each argument's description) and the
+    arrays' raw bytes. An argument is None, a `Program`, one of `STRUCTS` (described field by
+    field) or a numpy array or scalar."""
+    blobs = []
+
+    def describe(arg):
         if arg is None:
-            header.append(None)
-            continue
-        kind = next((name for name, cls in COMPOSITE.items() if isinstance(arg, cls)), "array")
-        arrays = jax.tree.leaves(arg) if kind in COMPOSITE else (np.asarray(arg),)
-        header.append([kind])
-        for array in arrays:
-            array = np.asarray(array, order="C")  # (np.ascontiguousarray makes a scalar 1-d)
-            header[-1].append([array.dtype.str, list(array.shape)])
-            blobs.append(array.tobytes())
-    head = json.dumps(header).encode()
+            return None
+        if isinstance(arg, Program):
+            return ["program", list(arg)]
+        if type(arg) in STRUCTS.values():
+            fields = {f.name: describe(getattr(arg, f.name)) for f in dataclasses.fields(arg)}
+            return ["struct", type(arg).__name__, fields]
+        array = np.asarray(arg, order="C")  # (np.ascontiguousarray makes a scalar 1-d)
+        blobs.append(array.tobytes())
+        return ["array", array.dtype.str, list(array.shape)]
+
+    head = json.dumps([verb, *(describe(arg) for arg in args)]).encode()
     return len(head).to_bytes(4, "little") + head + b"".join(blobs)
 
 
 def decode(message: bytes) -> tuple[str, tuple]:
     """`encode`'s inverse; a 0-d array comes back as a numpy scalar (usable as a dict key)."""
     size = int.from_bytes(message[:4], "little")
-    verb, *kinds = json.loads(message[4 : 4 + size])
-    at, args = 4 + size, []
-    for kind in kinds:
-        if kind is None:
-            args.append(None)
-            continue
-        arrays = []
-        for dtype, shape in kind[1:]:
-            dtype = np.dtype(dtype)
-            count = int(np.prod(shape))
-            arrays.append(np.frombuffer(message, dtype, count, at).reshape(tuple(shape)))
-            at += count * dtype.itemsize
-        args.append(COMPOSITE[kind[0]](*arrays) if kind[0] in COMPOSITE else arrays[0][()])
-    return verb, tuple(args)
+    verb, *described = json.loads(message[4 : 4 + size])
+    at = 4 + size
+
+    def rebuild(entry):
+        nonlocal at
+        if entry is None:
+            return None
+        if entry[0] == "program":
+            return Program(*entry[1])
+        if entry[0] == "struct":
+            return STRUCTS[entry[1]](**{name: rebuild(field) for name, field in entry[2].items()})
+        dtype, shape = np.dtype(entry[1]), tuple(entry[2])
+        count = int(np.prod(shape))
+        array = np.frombuffer(message, dtype, count, at).reshape(shape)
+        at += count * dtype.itemsize
+        return array[()]
+
+    return verb, tuple(rebuild(entry) for entry in described)
 
 
 # -------------------------------------------------------------------------------- cluster

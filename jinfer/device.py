@@ -8,16 +8,12 @@ and every follower's `Device` makes the same call on its own shards, in the same
 `replay`. The lock keeps the order of calls and the order of messages the same when two threads
 call (the engine's loop and a server scoring a text).
 
-    prefill(allowed, chunk, feed_draft) -> out
-    decode(rows, attn_len, row_steps, deferred, want_logprobs, feed_draft) -> out
-    mixed(rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft) -> out, chunk_out
-    verify(rows, attn_len, k, plan, row_steps, deferred, want_logprobs) -> out, checked, kinds
-    sample(allowed, deferred, want_logprobs) -> out
+    dispatch(program, inputs, chunk=None) -> DispatchOutput   (`jinfer.inputs`, `Steps.programs`)
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
 
-`allowed` is the [slots, W] bitmask of a dispatch with constrained rows, None without.
-`warm_up` makes each verb compile every variant; `verify_cost` times verify against decode steps
-(through those same verbs, so followers replay them too).
+An input's `allowed` bitmask is None when no row is constrained: the device passes its resident
+all-bits-set mask instead of uploading one. `warm_up` dispatches every program once;
+`verify_cost` times verify against decode steps (through `dispatch`, so followers replay them too).
 """
 
 from __future__ import annotations
@@ -30,31 +26,22 @@ from functools import partial
 import jax
 import numpy as np
 
+from jinfer.inputs import DispatchOutput, Program, RowInputs, neutral_inputs
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scoring import score_program
-from jinfer.speculative import DRAFT_SOURCES, DraftPlan, program_lengths, verify_programs
-from jinfer.state import pack_chunk, pack_history
+from jinfer.speculative import DRAFT_SOURCES, program_lengths
+from jinfer.state import PackedChunk, pack_chunk, pack_history
 from jinfer.steps import Steps
+from jinfer.weights import Weights
 
-VERBS = (
-    "prefill",
-    "decode",
-    "mixed",
-    "verify",
-    "sample",
-    "history",
-    "clear_pages",
-    "set_tables",
-    "reset",
-    "score",
-)
+VERBS = ("dispatch", "history", "clear_pages", "set_tables", "reset", "score")
 
 
 class Device:
     """The device values of one engine and the verbs over them (see the module docstring)."""
 
-    def __init__(self, steps: Steps, params, dtype, tables: np.ndarray, score_params):
-        self.steps, self.params, self.dtype = steps, params, dtype
+    def __init__(self, steps: Steps, weights: Weights, dtype, tables: np.ndarray, score_params):
+        self.steps, self.weights, self.dtype = steps, weights, dtype
         self.publish: Callable[[str, tuple], None] | None = None  # the leader's, on several processes
         self._lock = threading.Lock()
         self._score = jax.jit(partial(score_program, cfg=steps.model, vocab=steps.vocab_size))
@@ -75,59 +62,26 @@ class Device:
             raise ValueError(f"unknown device verb {verb!r}")
         getattr(self, verb)(*args)
 
-    def _allowed(self, allowed: np.ndarray | None):
-        return self.steps.unconstrained if allowed is None else self.steps.put_allowed(allowed)
-
     # -------------------------------------------------------------------------------- verbs
-    def prefill(self, allowed, chunk, feed_draft=True):
+    def dispatch(
+        self, program: Program, inputs: RowInputs, chunk: PackedChunk | None = None
+    ) -> DispatchOutput:
+        """Run one of the steps' programs over the device's values (`Steps.programs`)."""
+
         def run():
-            carried = (self.params, self.cache, self.state, self.tables)
-            prefill = self.steps.program("prefill", feed_draft)
-            self.cache, self.state, out = prefill(*carried, self._allowed(allowed), chunk)
+            # No row constrained: the resident all-bits-set mask, no upload.
+            allowed = inputs.allowed
+            allowed = self.steps.unconstrained if allowed is None else self.steps.put_allowed(allowed)
+            placed = inputs.replace(allowed=allowed)
+            jitted = self.steps.programs[program]
+            if program.kind == "sample":
+                self.state, out = jitted(self.state, placed)
+                return out
+            carried = (self.weights, self.cache, self.state, self.tables)
+            self.cache, self.state, out = jitted(*carried, placed, chunk)
             return out
 
-        return self._call("prefill", (allowed, chunk, feed_draft), run)
-
-    def decode(self, rows, attn_len, row_steps, deferred, want_logprobs, feed_draft=True):
-        def run():
-            carried = (self.params, self.cache, self.state, self.tables)
-            decode = self.steps.program("decode", feed_draft)[rows, attn_len]
-            self.cache, self.state, out = decode(*carried, row_steps, deferred, want_logprobs)
-            return out
-
-        args = (rows, attn_len, row_steps, deferred, want_logprobs, feed_draft)
-        return self._call("decode", args, run)
-
-    def mixed(self, rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft=True):
-        def run():
-            carried = (self.params, self.cache, self.state, self.tables)
-            mixed = self.steps.program("mixed", feed_draft)[rows, attn_len]
-            self.cache, self.state, out, chunk_out = mixed(
-                *carried, self._allowed(allowed), row_steps, deferred, want_logprobs, chunk
-            )
-            return out, chunk_out
-
-        args = (rows, attn_len, allowed, row_steps, deferred, want_logprobs, chunk, feed_draft)
-        return self._call("mixed", args, run)
-
-    def verify(self, rows, attn_len, k, plan, row_steps, deferred, want_logprobs):
-        def run():
-            carried = (self.params, self.cache, self.state, self.tables)
-            verify = self.steps.verify[rows, attn_len, k]
-            self.cache, self.state, out, checked, kinds = verify(
-                *carried, row_steps, plan, deferred, want_logprobs
-            )
-            return out, checked, kinds
-
-        args = (rows, attn_len, k, plan, row_steps, deferred, want_logprobs)
-        return self._call("verify", args, run)
-
-    def sample(self, allowed, deferred, want_logprobs):
-        def run():
-            self.state, out = self.steps.sample(self.state, self._allowed(allowed), deferred, want_logprobs)
-            return out
-
-        return self._call("sample", (allowed, deferred, want_logprobs), run)
+        return self._call("dispatch", (program, inputs, chunk), run)
 
     def history(self, packed) -> None:
         def run():
@@ -172,39 +126,35 @@ class Device:
         return padded
 
     def warm_up(self) -> None:
-        """Compile every prefill bucket, every (mixed, verify) decode bucket pair and the small
-        verbs. The caller sets block tables that map nowhere first: the warm-up chunks write."""
-        layout, vocab = self.steps.layout, self.steps.vocab_size
-        greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
-        chunk = lambda size: pack_chunk(
-            np.zeros(size, np.int32), 0, 0, 1, True, 0, 0, {}, (), greedy, vocab, False
-        )
-        idle = lambda rows: (np.zeros(rows, np.int32), np.zeros(rows, bool), np.False_)
-        for feed_draft in (True, False) if self.steps.draft_model else (True,):
-            for size in layout.prefill_buckets:
-                out = self.prefill(None, chunk(size), feed_draft)
-            for rows, attn_len in self.steps.decode:
-                out = self.decode(rows, attn_len, *idle(rows), feed_draft)
-            for rows, attn_len in self.steps.mixed:
-                mixed_chunk = chunk(layout.mixed_chunk_len(rows))
-                out, _ = self.mixed(rows, attn_len, None, *idle(rows), mixed_chunk, feed_draft)
-        for rows in layout.slot_buckets:  # one sample program per slot bucket
-            out = self.sample(None, np.zeros(rows, bool), np.False_)
-        for rows, attn_len, k in self.steps.verify:
-            row_steps, deferred, logprobs = idle(rows)
-            out, *_ = self.verify(rows, attn_len, k, self._plan(rows, k, -1), row_steps, deferred, logprobs)
-        self.history(pack_history(0, [], 0, layout.max_seq_len))
+        """Compile every program (`Steps.programs`) and the small verbs. The caller sets block
+        tables that map nowhere first: the warm-up chunks write."""
+        for program in self.steps.programs:
+            out = self.dispatch(program, self._idle_inputs(program), self._idle_chunk(program.chunk))
+        self.history(pack_history(0, [], 0, self.steps.layout.max_seq_len))
         self.clear_pages(self.page_list([]))
         jax.block_until_ready((out, self.cache, self.state))
 
-    def _plan(self, rows: int, k: int, force: int) -> DraftPlan:
-        """A draft plan for warm-up and timing of a program of `k` drafts: every row drafting,
-        `force` (-1: none)."""
+    def _idle_chunk(self, size: int) -> PackedChunk | None:
+        """A one-token greedy prompt chunk padded to `size` into slot 0 (None for size 0)."""
+        if not size:
+            return None
+        greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
+        tokens, vocab = np.zeros(size, np.int32), self.steps.vocab_size
+        flags = {"slot": 0, "start": 0, "length": 1, "last": True, "generated": 0, "min_tokens": 0}
+        return pack_chunk(tokens, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=vocab)
+
+    def _idle_inputs(self, program: Program, force: int = -1, busy: int = 0) -> RowInputs:
+        """A program's inputs with no row busy (`busy`: every row `busy` steps); a verify program's
+        plan has every row drafting, made to take the length of index `force` (-1: its choice)."""
         layout = self.steps.layout
+        rows = program.rows + (program.kind == "mixed")
+        if program.kind != "verify":
+            return neutral_inputs(rows).replace(steps=np.full(rows, busy, np.int32))
         kinds = len(DRAFT_SOURCES[layout.speculative].priors)
-        lengths = program_lengths(layout.speculative, layout.verify_variants, k)
-        chances, costs = np.full((rows, kinds), 0.5, np.float32), np.ones(len(lengths), np.float32)
-        return DraftPlan(np.ones(rows, bool), chances, costs, np.int32(force))
+        lengths = len(program_lengths(layout.speculative, layout.verify_variants, program.drafts))
+        inputs = neutral_inputs(rows, kinds=kinds, lengths=lengths, plan=True)
+        plan = inputs.plan.replace(drafting=np.ones(rows, bool), force=np.int32(force))
+        return inputs.replace(steps=np.full(rows, busy, np.int32), plan=plan)
 
     def verify_cost(self, rounds: int = 7) -> dict[tuple[int, int], float]:
         """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's
@@ -217,27 +167,25 @@ class Device:
         tables that map nowhere first (the busy rows write) and runs it with no request in a slot
         (their state is left for the next prefill to set)."""
         layout, costs = self.steps.layout, {}
-        attn_len = layout.attention_buckets[0]
+        attn_len, busy = layout.attention_buckets[0], layout.decode_steps
 
-        def seconds(call):
+        def seconds(program, inputs):
             start = time.perf_counter()
-            jax.block_until_ready(call().tokens)
+            jax.block_until_ready(self.dispatch(program, inputs).rows.tokens)
             return time.perf_counter() - start
 
-        for rows, k in verify_programs(layout.speculative, layout.verify_variants):
-            busy, none = np.full(rows, layout.decode_steps, np.int32), np.zeros(rows, bool)
-            decode = partial(self.decode, rows, attn_len, busy, none, np.False_, False)
+        for program in self.steps.of_kind("verify"):
+            if program.attn_len != attn_len:
+                continue
+            rows, k = program.rows, program.drafts
+            decode = Program("decode", rows, attn_len, feeds_draft=self.steps.draft_model is None)
             lengths = program_lengths(layout.speculative, layout.verify_variants, k)
-            verifies = {
-                n: partial(self.verify, rows, attn_len, k, self._plan(rows, k, index), busy, none, np.False_)
-                for index, n in enumerate(lengths)
-                if n
-            }
-            ratios = {n: [] for n in verifies}
+            forced = {n: self._idle_inputs(program, index, busy) for index, n in enumerate(lengths) if n}
+            ratios = {n: [] for n in forced}
             for _ in range(rounds):
-                plain = seconds(decode)
-                for n, verify in verifies.items():
-                    ratios[n].append(seconds(lambda verify=verify: verify()[0]) / plain)
+                plain = seconds(decode, self._idle_inputs(decode, busy=busy))
+                for n, inputs in forced.items():
+                    ratios[n].append(seconds(program, inputs) / plain)
             costs.update({(rows, n): float(np.median(r)) for n, r in ratios.items()})
         for rows, n in sorted(costs):  # shorter lengths first
             shorter = [costs[rows, m] for m in range(n) if (rows, m) in costs]

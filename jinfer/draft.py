@@ -3,8 +3,8 @@ target's vocabulary whose greedy continuation is what a verify step checks (`jin
 
 It keeps a KV cache of its own beside the target's: pages of the same size and numbering, read
 through the same block tables, so whatever the host does with pages (the prefix cache, preemption,
-clearing a page before reuse) holds for both caches at once. The steps carry the two models'
-values as a pair wherever they carry one model's (`WithDraft`: weights, caches), and every pass of
+clearing a page before reuse) holds for both caches at once. The steps carry its weights and cache
+beside the target's (`jinfer.weights`: `Weights.draft`, `Caches.draft`), and every pass of
 the target over tokens (`run_model`: prompt chunks, decode steps) is the draft's over the same
 tokens too, so the draft's cache holds every position the target's does (except where a batch is
 too large for verifying to pay: there plain steps skip the draft and its requests stop drafting,
@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.formats.params import CheckpointError, LoadedModel
 from jinfer.loading import engine_weights, load_model, placement_for
 from jinfer.models import llama
+from jinfer.weights import Caches, Weights
 
 log = logging.getLogger("jinfer.draft")
 
@@ -39,40 +38,21 @@ log = logging.getLogger("jinfer.draft")
 VOCABULARY_PROBE = 'The quick brown fox, 1234 times!\n\tdef f(x):\n        return {"ünï": x ** 2}  # 東京 🙂'
 
 
-@struct.dataclass
-class WithDraft:
-    """The target model's value and the draft model's, side by side (their weights, or their KV
-    caches): what the steps carry instead of the target's alone when there is a draft model."""
-
-    target: Any
-    draft: Any
-
-
-def target_of(value):
-    """The target model's part of a carried value (the value itself without a draft model)."""
-    return value.target if isinstance(value, WithDraft) else value
-
-
-def with_target(value, target):
-    """`value` with its target part replaced (`target` itself without a draft model)."""
-    return value.replace(target=target) if isinstance(value, WithDraft) else target
-
-
-def run_model(params, groups, cfg: ModelConfig, cache, tables, *, draft_cfg=None, **attention):
+def run_model(
+    weights: Weights, groups, cfg: ModelConfig, caches: Caches, tables, *, draft_cfg=None, **attention
+):
     """The target's pass over token groups (`llama.forward_groups`): hidden states per group and
-    the cache; with a draft model (`draft_cfg`; params and cache `WithDraft`), the draft's pass over
-    the same tokens writes their K/V into its own cache (its hidden states are not used). Without
-    `draft_cfg`, a draft model's cache is left as it is (`Speculation.feeds_draft`)."""
-    hidden, target_cache = llama.forward_groups(
-        target_of(params), groups, cfg, target_of(cache), tables, **attention
-    )
+    the caches; with `draft_cfg`, the draft model's pass over the same tokens writes their K/V into
+    its own cache (its hidden states are not used). Without it, a draft model's cache is left as it
+    is (`Speculation.feeds_draft`)."""
+    hidden, target = llama.forward_groups(weights.target, groups, cfg, caches.target, tables, **attention)
     if draft_cfg is None:
-        return hidden, with_target(cache, target_cache)
-    _, draft_cache = llama.forward_groups(params.draft, groups, draft_cfg, cache.draft, tables, **attention)
-    return hidden, WithDraft(target_cache, draft_cache)
+        return hidden, caches.replace(target=target)
+    _, draft = llama.forward_groups(weights.draft, groups, draft_cfg, caches.draft, tables, **attention)
+    return hidden, Caches(target, draft)
 
 
-def model_drafts(params, cache, state, tables, active, k: int, *, draft_cfg, vocab: int, **attention):
+def model_drafts(weights, caches, state, tables, active, k: int, *, draft_cfg, vocab: int, **attention):
     """The draft model's greedy continuation of each row, k tokens [rows, k] (all real where the
     row is active), and the caches with the draft's K/V written at the row's position .. position
     + k: k one-token passes, then one more that only writes the k-th draft's K/V (were every draft
@@ -80,24 +60,24 @@ def model_drafts(params, cache, state, tables, active, k: int, *, draft_cfg, voc
     rows = active.shape[0]
 
     def draft_pass(draft_cache, token, offset):
-        group = llama.TokenGroup(token[:, None], (state.positions + offset)[:, None], active=active)
+        group = llama.TokenGroup.of_rows(token[:, None], state.positions + offset, active)
         (hidden,), draft_cache = llama.forward_groups(
-            params.draft, (group,), draft_cfg, draft_cache, tables, **attention
+            weights.draft, (group,), draft_cfg, draft_cache, tables, **attention
         )
         return hidden[:, 0], draft_cache
 
     def drafting_pass(carry, offset):
         draft_cache, token = carry
         hidden, draft_cache = draft_pass(draft_cache, token, offset)
-        logits = llama.logits(params.draft, hidden)[:, :vocab] + state.bias
+        logits = llama.logits(weights.draft, hidden)[:, :vocab] + state.bias
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (draft_cache, token), token
 
     offsets = jnp.arange(k, dtype=jnp.int32)
-    (draft_cache, last), chosen = jax.lax.scan(drafting_pass, (cache.draft, state.tokens), offsets)
+    (draft_cache, last), chosen = jax.lax.scan(drafting_pass, (caches.draft, state.tokens), offsets)
     _, draft_cache = draft_pass(draft_cache, last, k)
     drafts = chosen.T  # [rows, k]
-    return drafts, jnp.broadcast_to(active[:, None], (rows, k)), cache.replace(draft=draft_cache)
+    return drafts, jnp.broadcast_to(active[:, None], (rows, k)), caches.replace(draft=draft_cache)
 
 
 def draft_weights(config: EngineConfig, target: LoadedModel, mesh, dtype):

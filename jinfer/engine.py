@@ -26,34 +26,39 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import NamedTuple
 
-import jax
 import numpy as np
 
+from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
 from jinfer.config import EngineConfig, dispatch_steps
-from jinfer.device import Device
-from jinfer.draft import WithDraft, draft_weights, target_of
-from jinfer.kv_cache import bytes_per_token
-from jinfer.layout import available_memory_bytes, param_bytes, resolve_layout
-from jinfer.loading import LoadedModel, engine_weights
+from jinfer.inputs import Program, RowInputs, neutral_inputs
+from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
-from jinfer.models import llama, quantized
-from jinfer.paging import SINK_PAGE, KVPages, SequencePages
-from jinfer.prepare import PreparedRequest, RequestPreparer
+from jinfer.paging import SINK_PAGE, SequencePages
+from jinfer.prepare import PreparedRequest
 from jinfer.request import PrefillWork, Request, RequestOutput, deliver
-from jinfer.scheduler import Plan, QueueFullError, Scheduler
+from jinfer.sampling import StepOutput
+from jinfer.scheduler import Plan, QueueFullError
 from jinfer.scoring import Scorer
-from jinfer.sharding import DTYPES, make_mesh
-from jinfer.speculative import Speculation, may_draft
+from jinfer.speculative import may_draft
 from jinfer.state import pack_history
-from jinfer.steps import build_steps
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
 
 log = logging.getLogger("jinfer.engine")
 
 __all__ = ["DispatchCounts", "Engine", "EngineUnavailable", "QueueFullError", "RequestOutput"]
+
+
+class Pending(NamedTuple):
+    """A dispatch's output not yet read: the owner of each of its rows (None: a row whose tokens
+    are not a request's to take), and for a verify dispatch (steps, drafts checked, their kinds)."""
+
+    owners: list[Request | None]
+    out: StepOutput
+    verified: tuple | None = None
 
 
 class EngineUnavailable(RuntimeError):
@@ -65,61 +70,17 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()  # as asked; self.layout is what runs
-        self.mesh = make_mesh(config.mesh_data, config.mesh_model)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
+        parts = assemble(loaded, config)
+        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.dtype = DTYPES[config.dtype]
-        padded_cfg, params = engine_weights(loaded, config, self.mesh, self.dtype)
-        draft_cfg, draft_params = draft_weights(config, loaded, self.mesh, self.dtype)
-        models = ((padded_cfg, params), (draft_cfg, draft_params))
-        per_token = sum(bytes_per_token(cfg, self.dtype) for cfg, _ in models if cfg)
-        self.layout = layout = resolve_layout(
-            config,
-            loaded.config,
-            self.mesh.size,
-            cache_bytes_per_token=per_token,
-            weight_bytes=sum(param_bytes(quantized.floats(p)) for cfg, p in models if cfg),  # packed copies
-            available_bytes=available_memory_bytes(self.mesh.devices.flat[0]) * self.mesh.size,
-            quantized_weights=bool(quantized.formats_held(params)),
-            draft=draft_cfg,
-        )
-        if layout.packed_weights:  # one device: the packed copies' own placement will do
-            params, draft_params = (cfg and llama.pack_weights(p, cfg) for cfg, p in models)
-        carried = params if draft_cfg is None else WithDraft(params, draft_params)
-        shardings = jax.tree.map(lambda a: a.sharding, carried)
-        self.cache_bytes = layout.num_pages * layout.page_size * per_token
-        vocab = loaded.config.vocab_size
-        self.steps = build_steps(padded_cfg, layout, self.mesh, shardings, vocab, draft_cfg)
-        self.preparer = RequestPreparer(
-            self.tokenizer,
-            vocab_size=loaded.config.vocab_size,
-            max_seq_len=layout.max_seq_len,
-            eos_token_ids=self.eos_token_ids,
-            sampling_defaults=loaded.generation_defaults,
-            context_policy=layout.context_policy,
-        )
-        self.kv = KVPages(
-            layout.num_pages, layout.page_size, layout.max_slots, layout.max_pages, layout.prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.tokenizer,
-            layout.max_slots,
-            layout.max_queue,
-            layout.chunk_len,
-            layout.prefill_token_budget,
-            self.kv,
-            layout.mixed_chunk_len if layout.mixed_prefill_tokens else None,
-            layout.decode_steps,
-            layout.draft_tokens,
-        )
-        self.speculation = Speculation(layout) if layout.verify_variants else None
-        self.device = Device(self.steps, carried, self.dtype, self.kv.tables.copy(), llama.unpacked(params))
+        self.mesh, self.dtype, self.layout, self.steps = parts.mesh, parts.dtype, parts.layout, parts.steps
+        self.device, self.kv, self.scheduler = parts.device, parts.kv, parts.scheduler
+        self.preparer, self.speculation = parts.preparer, parts.speculation
+        self.cache_bytes = parts.cache_bytes
         self._tables_version = self.kv.version  # of the device's block tables
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
-        self.scorer = Scorer(self.device.score, layout.max_seq_len)
-        # Dispatched, not yet read: (owners, output, (steps, drafts proposed) of a verify dispatch).
-        self._pending: list[tuple[list[Request | None], object, tuple | None]] = []
+        self.scorer = Scorer(self.device.score, self.layout.max_seq_len)
+        self._pending: list[Pending] = []  # dispatched, not yet read
         self._deferred: list[Request | None] | None = None  # per slot: decoded, waiting for `sample`
         self.dispatch_counts = DispatchCounts()  # written by the loop thread only
         self._lock = threading.Condition()
@@ -129,17 +90,13 @@ class Engine:
         self.cluster = current_cluster()
         if self.cluster is not None and self.cluster.leader:
             self.device.publish = self.cluster.publish
-            self.cluster.lead(repr(layout), self.fail_all)
-        held = quantized.describe_held(params)  # slots and sequence length: in the pool's line
-        log.info("engine: mesh data=%d model=%d; weights %s", layout.mesh_data, layout.mesh_model, held)
-        log.info("engine: %s", layout.describe_pool(per_token))
-        log.info("engine: %s", layout.describe())
+            self.cluster.lead(repr(self.layout), self.fail_all)
 
     @property
     def params(self):
         """The weights the steps run with (the device's: one copy, wherever it is read), the
         target model's where there is a draft model."""
-        return target_of(self.device.params)
+        return self.device.weights.target
 
     def warmup(self) -> float:
         """Compile every verb's variants (`Device.warm_up`) and time verify against decode steps
@@ -286,7 +243,7 @@ class Engine:
         dispatched = self._dispatch(plan)
         previous, self._pending = self._pending, dispatched
         for entry in previous:
-            self._commit(*entry)
+            self._commit(entry)
 
     def run_until_idle(self) -> None:
         while True:
@@ -296,105 +253,135 @@ class Engine:
                 return
             self.step()
 
-    def _dispatch(self, plan: Plan) -> list:
-        dispatched, counts = [], self.dispatch_counts
+    def _dispatch(self, plan: Plan) -> list[Pending]:
+        """Queue the plan's prompt chunks and its decode dispatch; what they will have produced."""
         if self._tables_version != self.kv.version:
             # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
             self.device.set_tables(self.kv.tables.copy())
             self._tables_version = self.kv.version
         sampled = [w.request for w in (*plan.prefills, plan.fused) if w is not None and w.last]
         allowed = allowed_bitmask(sampled, self.layout.max_slots, self.steps.vocab_size)
-        for work in plan.prefills:
-            size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
-            try:
-                self._set_history(work)
-                feed = work.request.speculative and self._feeds_draft()  # else its draft cache stays unfed
-                out = self.device.prefill(allowed, work.packed(size, self.steps.vocab_size), feed)
-            except Exception as e:  # a device failure must not kill the engine
-                self._recover([work.request], e)
-                continue
-            counts.prefill_dispatches += 1
-            counts.prefill_tokens += len(work.tokens)
-            counts.prefill_padding += size - len(work.tokens)
-            if work.last:
-                dispatched.append(([work.request], out, None))
-        if not plan.decodes:
-            return dispatched
+        pending = [entry for work in plan.prefills if (entry := self._dispatch_prefill(work, allowed))]
+        if plan.decodes:
+            pending += self._dispatch_decode(plan, allowed)
+        return pending
+
+    def _program(
+        self, kind: str, rows: int, attn_len: int = 0, chunk: int = 0, feeds: bool = True
+    ) -> Program:
+        """The key of a program that feeds a draft model where `feeds` (always, without one)."""
+        return Program(kind, rows, attn_len, chunk, feeds_draft=feeds or self.steps.draft_model is None)
+
+    def _dispatch_prefill(self, work: PrefillWork, allowed) -> Pending | None:
+        """A prompt chunk of its own; its token's pending record if it is the prompt's last."""
+        size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
+        request = work.request
+        wants = np.bool_(request.sampling.logprobs is not None)
+        inputs = neutral_inputs(1).replace(steps=np.ones(1, np.int32), want_logprobs=wants, allowed=allowed)
+        try:
+            self._set_history(work)
+            feeds = request.speculative and self._feeds_draft()  # else its draft cache stays unfed
+            program = self._program("prefill", 1, chunk=size, feeds=feeds)
+            out = self.device.dispatch(program, inputs, work.packed(size, self.steps.vocab_size))
+        except Exception as e:  # a device failure must not kill the engine
+            self._recover([request], e)
+            return None
+        self.dispatch_counts.count_prefill(len(work.tokens), size)
+        return Pending([request], out.chunk) if work.last else None
+
+    def _dispatch_decode(self, plan: Plan, allowed) -> list[Pending]:
+        """The decode dispatch over the plan's rows: plain steps, verify steps, or one step carrying
+        a prompt chunk (`plan.fused`); the pending records of its rows and of its chunk."""
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
         rows = self.layout.slot_bucket(busy[-1] + 1)
-        owners = plan.decode_owners[:rows]
-        steps = dispatch_steps(self.layout.decode_steps, mixed=plan.fused is not None)
-        row_steps = np.array([0 if r is None else r.dispatch_tokens(steps) for r in owners], np.int32)
-        deferred = np.array([r is not None and r.constraint is not None for r in owners])
-        running = [r for r in owners if r is not None]
-        sampled_here = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
-        want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in sampled_here))
-        fused, verifying = plan.fused, None
-        if self.speculation and fused is None:
-            verifying = self.speculation.choose(rows, owners, steps)
-        # The device may be one dispatch ahead of what the host has read, and this dispatch adds
-        # up to decode_steps x (draft tokens + 1) positions: attend over a bucket that surely holds
-        # them all (and the carried prompt chunk's positions).
-        per_dispatch = self.layout.decode_steps * (1 + self.layout.draft_tokens)
-        furthest = max(len(r.prompt_ids) + len(r.output_ids) for r in running) + 2 * per_dispatch + 1
-        if fused is not None:
-            furthest = max(furthest, fused.start + len(fused.tokens))
-        attn_len = self.layout.attention_bucket(furthest)
+        owners, fused = plan.decode_owners[:rows], plan.fused
+        steps = dispatch_steps(self.layout.decode_steps, mixed=fused is not None)
+        inputs = self._decode_inputs(owners, steps, fused, allowed)
+        attn_len = self._attention_length(owners, fused)
+        verifying = self.speculation.choose(rows, owners, steps) if self.speculation and not fused else None
+        chunk = None
+        if verifying is not None:  # (the program's draft length, the draft plan)
+            program = Program("verify", rows, attn_len, drafts=verifying[0])
+            inputs = inputs.replace(plan=verifying[1])
+        elif fused is None:
+            program = self._program("decode", rows, attn_len, feeds=self._feeds_draft())
+        else:
+            size = self.layout.mixed_chunk_len(rows)
+            program = self._program("mixed", rows, attn_len, size, feeds=self._feeds_draft())
+            chunk = fused.packed(size, self.steps.vocab_size)
         try:
             if fused is not None:
                 self._set_history(fused)
-            rows_args = (row_steps, deferred, want_logprobs)
-            if verifying is not None:  # (the program's draft length, the draft plan)
-                out, *checked = self.device.verify(rows, attn_len, *verifying, *rows_args)
-            elif fused is None:
-                out = self.device.decode(rows, attn_len, *rows_args, self._feeds_draft())
-            else:
-                chunk = fused.packed(self.layout.mixed_chunk_len(rows), self.steps.vocab_size)
-                out, chunk_out = self.device.mixed(
-                    rows, attn_len, allowed, *rows_args, chunk, self._feeds_draft()
-                )
+            out = self.device.dispatch(program, inputs, chunk)
         except Exception as e:
-            self._recover(running + ([fused.request] if fused is not None else []), e)
-            return dispatched
-        counts.decode_dispatches += 1
-        counts.decode_steps += steps
-        counts.decode_active_row_steps += int(row_steps.sum())
-        counts.decode_idle_row_steps += rows * steps - int(row_steps.sum())
-        if fused is not None:
-            counts.mixed_dispatches += 1
-            counts.mixed_tokens += len(fused.tokens)
-        counts.verify_dispatches += verifying is not None
-        verified = (steps, *checked) if verifying is not None else None
-        dispatched.append(([None if d else r for r, d in zip(owners, deferred, strict=True)], out, verified))
+            self._recover([r for r in owners if r is not None] + ([fused.request] if fused else []), e)
+            return []
+        self.dispatch_counts.count_decode(
+            program.kind, steps, inputs.steps[:rows], fused and len(fused.tokens)
+        )
+        deferred = inputs.deferred[:rows]
+        taking = [None if d else r for r, d in zip(owners, deferred, strict=True)]
+        verified = (steps, out.checked, out.kinds) if verifying is not None else None
+        pending = [Pending(taking, out.rows, verified)]
         if deferred.any():
             self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
         if fused is not None and fused.last:
-            dispatched.append(([fused.request], chunk_out, None))
-        return dispatched
+            pending.append(Pending([fused.request], out.chunk))
+        return pending
+
+    def _decode_inputs(self, owners: list, steps: int, fused: PrefillWork | None, allowed) -> RowInputs:
+        """The inputs of a decode dispatch over `owners`' rows (and a carried chunk's row)."""
+        rows = len(owners) + (fused is not None)
+        row_steps = [0 if r is None else r.dispatch_tokens(steps) for r in owners]
+        deferred = [r is not None and r.constraint is not None for r in owners]
+        sampled = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
+        if fused is not None:
+            row_steps, deferred, sampled = [*row_steps, 1], [*deferred, False], [*sampled, fused.request]
+        return neutral_inputs(rows).replace(
+            steps=np.array(row_steps, np.int32),
+            deferred=np.array(deferred),
+            want_logprobs=np.bool_(any(r.sampling.logprobs is not None for r in sampled)),
+            allowed=allowed,
+        )
+
+    def _attention_length(self, owners: list, fused: PrefillWork | None) -> int:
+        """The attention bucket of a decode dispatch. The device may be one dispatch ahead of what
+        the host has read, and this dispatch adds up to decode_steps x (draft tokens + 1)
+        positions: a bucket that surely holds them all (and the carried prompt chunk's)."""
+        per_dispatch = self.layout.decode_steps * (1 + self.layout.draft_tokens)
+        furthest = max(len(r.prompt_ids) + len(r.output_ids) for r in owners if r is not None)
+        furthest += 2 * per_dispatch + 1
+        if fused is not None:
+            furthest = max(furthest, fused.start + len(fused.tokens))
+        return self.layout.attention_bucket(furthest)
 
     def _sample_deferred(self) -> None:
         """Dispatch `sample` for the rows the last decode deferred, under their allowed sets. Those
         follow from every token before, so the outputs holding constrained requests' tokens are read
         first (they were dispatched before the decode now running: ready, or nearly)."""
         owners, self._deferred = self._deferred, None
-        constrained = lambda entry: any(r is not None and r.constraint is not None for r in entry[0])
+        constrained = lambda entry: any(r is not None and r.constraint is not None for r in entry.owners)
         first = [entry for entry in self._pending if constrained(entry)]
         self._pending = [entry for entry in self._pending if not constrained(entry)]
         for entry in first:
-            self._commit(*entry)
+            self._commit(entry)
         owners = [r if r is not None and not r.finished else None for r in owners]
         if not any(owners):
             return
-        deferred = np.array([r is not None for r in owners])
         want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in owners if r is not None))
         try:
             allowed = allowed_bitmask(owners, self.layout.max_slots, self.steps.vocab_size)
-            out = self.device.sample(allowed, deferred, want_logprobs)
+            inputs = neutral_inputs(len(owners)).replace(
+                deferred=np.array([r is not None for r in owners]),
+                want_logprobs=want_logprobs,
+                allowed=allowed,
+            )
+            out = self.device.dispatch(Program("sample", len(owners)), inputs)
         except Exception as e:
             self._recover([r for r in owners if r is not None], e)
             return
         self.dispatch_counts.sample_dispatches += 1
-        self._pending.append((owners, out, None))
+        self._pending.append(Pending(owners, out.rows))
 
     def _feeds_draft(self) -> bool:
         slots, bucket = self.scheduler.slots, self.layout.slot_bucket
@@ -414,11 +401,11 @@ class Engine:
             )
             self.device.history(packed)
 
-    def _commit(self, owners: list[Request | None], out, verified: tuple | None) -> None:
-        """Hand a dispatch's tokens to the scheduler (`verified`: a verify dispatch's decode steps,
-        the drafts checked and their kinds [steps, rows], whose acceptance is recorded first)."""
+    def _commit(self, pending: Pending) -> None:
+        """Hand a dispatch's tokens to the scheduler (a verify dispatch's drafts' acceptance first)."""
         if self.failure is not None:  # read nothing more: a collective with a dead process may never end
             return
+        owners, out = pending.owners, pending.out
         want_logprobs = any(r is not None and r.sampling.logprobs is not None for r in owners)
         # Only what the requests use crosses to the host: each array fetched costs host time.
         wanted = [out.tokens, out.bad] + (
@@ -432,9 +419,9 @@ class Engine:
             self._recover([r for r in owners if r is not None], e)
             return
         logprobs = dict(zip(("logprobs", "top_ids", "top_logprobs"), extra, strict=True)) if extra else None
-        steps = None if verified is None else verified[0]
-        if verified is not None:  # its requests' acceptance first: their final metrics include it
-            checked, kinds = (np.asarray(a) for a in verified[1:])
+        steps = None if pending.verified is None else pending.verified[0]
+        if pending.verified is not None:  # its requests' acceptance first: their final metrics include it
+            checked, kinds = (np.asarray(a) for a in pending.verified[1:])
             self.speculation.record(owners, tokens, steps, checked, kinds, self.dispatch_counts)
         with self._lock:
             committed = self.scheduler.commit(owners, tokens, bad, logprobs, steps)

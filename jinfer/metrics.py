@@ -42,6 +42,24 @@ class DispatchCounts:
     draft_tokens: int = 0  # draft tokens proposed to those steps...
     accepted_tokens: int = 0  # ... and accepted (each beside the token the step makes anyway)
 
+    def count_prefill(self, tokens: int, size: int) -> None:
+        """A prompt chunk of `tokens` dispatched on its own, padded to `size`."""
+        self.prefill_dispatches += 1
+        self.prefill_tokens += tokens
+        self.prefill_padding += size - tokens
+
+    def count_decode(self, kind: str, steps: int, row_steps, carried: int | None) -> None:
+        """A decode dispatch of `kind` ("decode", "mixed", "verify"): `steps` steps over rows that
+        take part in row_steps [rows] of them, carrying `carried` prompt tokens (mixed)."""
+        active = int(sum(row_steps))
+        self.decode_dispatches += 1
+        self.decode_steps += steps
+        self.decode_active_row_steps += active
+        self.decode_idle_row_steps += len(row_steps) * steps - active
+        self.mixed_dispatches += kind == "mixed"
+        self.mixed_tokens += carried or 0
+        self.verify_dispatches += kind == "verify"
+
 
 class _DispatchCollector:
     """The engine's `DispatchCounts` as Prometheus counters, read at each scrape."""

@@ -153,17 +153,16 @@ class PrefillWork:
         request, sp = self.request, self.request.sampling
         return pack_chunk(
             tokens,
-            self.slot,
-            self.start,
-            len(self.tokens),
-            self.last,
-            request.generated_before,
-            sp.min_tokens,
-            sp.logit_bias or {},
-            sorted(request.stop_ids),
-            SamplingArrays.from_params([sp], [request.seed]),
-            vocab,
-            sp.logprobs is not None,
+            slot=self.slot,
+            start=self.start,
+            length=len(self.tokens),
+            last=self.last,
+            generated=request.generated_before,
+            min_tokens=sp.min_tokens,
+            bias=sp.logit_bias or {},
+            stop_ids=sorted(request.stop_ids),
+            sampling=SamplingArrays.from_params([sp], [request.seed]),
+            vocab=vocab,
         )
 
 

@@ -230,22 +230,33 @@ class SamplingArrays:
         )
 
 
+def _per_row(a: jax.Array, logits: jax.Array) -> jax.Array:
+    """A per-row array [B, ...] spread over the positions axis of logits [B, T, V] (as is for [B, V])."""
+    return a if logits.ndim == 2 else a[:, None]
+
+
+def _knob(a: jax.Array, logits: jax.Array) -> jax.Array:
+    """A per-row knob [B] shaped to broadcast against logits [B, V] or [B, T, V]."""
+    return a.reshape(a.shape + (1,) * (logits.ndim - 1))
+
+
 def apply_penalties(
     logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array, s: SamplingArrays
 ) -> jax.Array:
     """Repetition penalty over prompt + output tokens; presence/frequency over output tokens.
 
-    logits [B, V] float32; prompt_mask [B, V] bool; output_counts [B, V] int32. A batch without
-    penalties skips the passes over the vocabulary (`lax.cond`): neutral ones change no bit.
+    logits [B, V] (or [B, T, V]) float32; prompt_mask [B, V] bool; output_counts [B, V] int32. A
+    batch without penalties skips the passes over the vocabulary (`lax.cond`): neutral ones change
+    no bit.
     """
 
     def penalise():
-        seen = prompt_mask | (output_counts > 0)
-        rep = s.repetition_penalty[:, None]
+        seen = _per_row(prompt_mask | (output_counts > 0), logits)
+        rep = _knob(s.repetition_penalty, logits)
         penalised = jnp.where(logits > 0, logits / rep, logits * rep)
-        counts = output_counts.astype(jnp.float32)
-        out = jnp.where(seen, penalised, logits) - s.frequency_penalty[:, None] * counts
-        return out - s.presence_penalty[:, None] * (counts > 0)
+        counts = _per_row(output_counts, logits).astype(jnp.float32)
+        out = jnp.where(seen, penalised, logits) - _knob(s.frequency_penalty, logits) * counts
+        return out - _knob(s.presence_penalty, logits) * (counts > 0)
 
     neutral = (s.repetition_penalty == 1.0) & (s.frequency_penalty == 0.0) & (s.presence_penalty == 0.0)
     return jax.lax.cond(jnp.all(neutral), lambda: logits, penalise)
@@ -259,7 +270,7 @@ def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     def apply():
         bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
         permitted = bits.reshape(allowed.shape[0], -1)[:, : logits.shape[-1]] != 0
-        return jnp.where(permitted, logits, -jnp.inf)
+        return jnp.where(_per_row(permitted, logits), logits, -jnp.inf)
 
     return jax.lax.cond(jnp.all(allowed == -1), lambda: logits, apply)
 
@@ -337,21 +348,27 @@ class StepOutput:
 
 
 @jax.named_scope("sampling")
+def process(logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling) -> jax.Array:
+    """The one logits-processing chain, from raw logits [B, V] (or [B, T, V]: T positions of each
+    row, a verify step's) to what `sample` draws from: penalties (prompt_mask, counts [B, V]),
+    logit bias [B, V], stop tokens (stop_mask [B, V]) banned where `banning` [B] (or [B, T]: short
+    of min_tokens), and the allowed-token bitmask (allowed [B, W], `jinfer.structured`; None:
+    every row unconstrained). Every step that samples goes through it."""
+    processed = apply_penalties(logits, prompt_mask, counts, sampling) + _per_row(bias, logits)
+    processed = jax.lax.cond(
+        jnp.any(banning),
+        lambda: jnp.where(_per_row(stop_mask, logits) & banning[..., None], -jnp.inf, processed),
+        lambda: processed,
+    )
+    return processed if allowed is None else mask_disallowed(processed, allowed)
+
+
 def choose(
     logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, positions, want_logprobs
 ):
-    """Process raw logits [B, V] and pick one token per row among its allowed ones (allowed [B, W],
-    `jinfer.structured`'s bitmask, or None: every row unconstrained); rows `banning` [B] (short of
-    their min_tokens) may not take a stop token (stop_mask [B, V]). Log-probs are of the raw
-    distribution."""
-    processed = apply_penalties(logits, prompt_mask, counts, sampling) + bias
-    processed = jax.lax.cond(
-        jnp.any(banning),
-        lambda: jnp.where(stop_mask & banning[:, None], -jnp.inf, processed),
-        lambda: processed,
-    )
-    if allowed is not None:
-        processed = mask_disallowed(processed, allowed)
+    """Process raw logits [B, V] (`process`) and pick one token per row (`pick`). Log-probs are of
+    the raw distribution."""
+    processed = process(logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling)
     return pick(logits, processed, sampling, positions, want_logprobs)
 
 

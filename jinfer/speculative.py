@@ -51,10 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.draft import model_drafts, run_model, target_of
+from jinfer.draft import model_drafts, run_model
+from jinfer.inputs import DispatchOutput, DraftPlan
 from jinfer.models import llama
-from jinfer.sampling import pick
-from jinfer.state import SlotState, sample_rows, scan_rows
+from jinfer.sampling import pick, process
+from jinfer.state import SlotState, advance_rows, sample_rows, scan_rows
 
 LONGEST_NGRAM = 6  # the longest suffix looked up; shorter ones only when it has no earlier match
 RECORD_DECAY = 0.8  # weight of a request's earlier evidence in its record, per verify step adding some
@@ -164,33 +165,20 @@ def best_length(lengths, costs, chances, kind, real, counted) -> jax.Array:
     return jnp.argmax(expected / costs)
 
 
-def _later_positions(state: SlotState, logits: jax.Array, drafting_rows: jax.Array, want_logprobs):
+def _later_positions(state: SlotState, logits: jax.Array, want_logprobs):
     """Tokens [rows, k] for positions 1..k of a verify step (state already advanced past t_0), each
-    sampled as decoding would sample it there. Rows that draft have no penalties and no grammar, so
-    logit bias and the min_tokens ban are all that processing does for them (other rows' later
-    tokens are never taken)."""
+    processed and sampled as decoding would there (`sampling.process`; only rows without penalties
+    or a grammar draft, so the counts a later position would have do not matter: other rows'
+    later tokens are never taken)."""
     rows, k, vocab = logits.shape
-    processed = logits + state.bias[:, None, :]
     banning = (state.generated[:, None] + jnp.arange(k)[None, :]) < state.min_tokens[:, None]
-    processed = jax.lax.cond(
-        jnp.any(banning & drafting_rows[:, None]),
-        lambda: jnp.where(state.stop_mask[:, None, :] & banning[:, :, None], -jnp.inf, processed),
-        lambda: processed,
-    )
-    knobs = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), state.sampling)
+    knobs = (state.prompt_mask, state.counts, state.bias, state.stop_mask, banning, None, state.sampling)
+    processed = process(logits, *knobs)  # [rows, k, V]
+    repeated = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), state.sampling)
     # Column c (1..k) samples the token at p + 1 + c; the state's position is p + 1 by now.
     positions = (state.positions[:, None] + 1 + jnp.arange(k)[None, :]).reshape(-1)
     flat = lambda a: a.reshape(rows * k, vocab)
-    return pick(flat(logits), flat(processed), knobs, positions, want_logprobs)
-
-
-class DraftPlan(NamedTuple):
-    """What a verify dispatch's steps go by (host values, `Speculation.choose`)."""
-
-    drafting: np.ndarray  # [rows] bool: the rows that may draft
-    chances: np.ndarray  # [rows, kinds] float32: a row's chance that a draft of each kind is accepted
-    costs: np.ndarray  # [lengths] float32: each of the program's draft lengths' cost over a decode step
-    force: np.ndarray  # int32: -1, or the index of the length every step takes (measuring costs)
+    return pick(flat(logits), flat(processed), repeated, positions, want_logprobs)
 
 
 def verify_step(
@@ -214,8 +202,7 @@ def verify_step(
     `best_length` picks of `lengths` (or the plan's forced one): the cache, the rows' state, their
     output [k + 1, rows] (k the longest length; tokens -1 where not emitted), the drafts checked
     [rows] and their kind [rows]. A deferred row (a grammar's) is fed and its position-0 logits
-    kept, as a decode step does. With a draft model (`jinfer.draft`) params and cache are both
-    models'."""
+    kept, as a decode step does. params and cache are `jinfer.weights`' trees."""
     k = max(lengths)
     options = {"draft_cfg": draft_cfg, "vocab": vocab, **attention}
     source = DRAFT_SOURCES[source].draft
@@ -255,11 +242,10 @@ def _check_drafts(
     checked per row [rows]."""
     rows, k = drafts.shape
     tokens = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
-    positions = state.positions[:, None] + jnp.arange(k + 1)[None, :]
-    group = llama.TokenGroup(tokens, positions, active=active)
+    group = llama.TokenGroup.of_rows(tokens, state.positions, active)
     # The target's pass only: the draft model (if any) wrote its K/V while drafting.
     (hidden,), cache = run_model(params, (group,), cfg, cache, tables, **attention)
-    logits = llama.logits(target_of(params), hidden)[..., :vocab]  # [rows, k + 1, V]
+    logits = llama.logits(params.target, hidden)[..., :vocab]  # [rows, k + 1, V]
     first = logits[:, 0]
     kept = jax.lax.cond(
         jnp.any(deferred), lambda: jnp.where(deferred[:, None], first, state.logits), lambda: state.logits
@@ -267,7 +253,7 @@ def _check_drafts(
     sampled = active & ~deferred
     state, out0 = sample_rows(state.replace(logits=kept), first, None, sampled, want_logprobs)
     if k:
-        later, outs = _later_positions(state, logits[:, 1:], jnp.any(real, axis=1), want_logprobs)
+        later, outs = _later_positions(state, logits[:, 1:], want_logprobs)
         state, taken = _advance(state, drafts, real, later.reshape(rows, k), sampled)
         later_out = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(rows, k, *a.shape[1:]), 0, 1), outs)
         out = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, later_out)
@@ -282,41 +268,29 @@ def _check_drafts(
 def _advance(state: SlotState, drafts, real, later, sampled) -> tuple[SlotState, jax.Array]:
     """The state past t_1 .. t_accepted (later [rows, k]: t_1 .. t_k, state already past t_0), as
     `accepted` more decode steps would have left it, and which of t_1 .. t_k were taken [rows, k]."""
-    rows, k = drafts.shape
+    k = drafts.shape[1]
     emitted = jnp.concatenate([state.tokens[:, None], later], axis=1)  # t_0 .. t_k
     accepted = jnp.sum(jnp.cumprod(real & (drafts == emitted[:, :-1]), axis=1), axis=1)
     accepted = jnp.where(sampled, accepted, 0)
-    step = jnp.arange(1, k + 1)[None, :]
-    taken = step <= accepted[:, None]  # [rows, k]
-    seq = state.history.shape[1]
-    at = jnp.where(taken, state.positions[:, None] + step, seq)
-    counts = state.counts
-    for j in range(k):
-        counts = counts.at[jnp.arange(rows), emitted[:, j + 1]].add(taken[:, j].astype(jnp.int32))
-    state = state.replace(
-        tokens=jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0],
-        positions=state.positions + accepted,
-        generated=state.generated + accepted,
-        counts=counts,
-        history=state.history.at[jnp.arange(rows)[:, None], at].set(emitted[:, 1:], mode="drop"),
-    )
-    return state, taken
+    taken = jnp.arange(1, k + 1)[None, :] <= accepted[:, None]  # [rows, k]
+    return advance_rows(state, later, taken), taken
 
 
-def verify(params, cache, state, tables, row_steps, plan, deferred, want_logprobs, *, steps, **options):
+def verify(params, cache, state, tables, inputs, chunk: None, *, steps, **options):
     """`steps` verify steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
-    row_steps[i] (a deferred slot in the first only, unsampled), by the `DraftPlan`: the cache,
-    the state, the output [steps x (k + 1), rows] (tokens -1 where nothing was emitted), the drafts
-    checked [steps, rows] and their kinds [steps, rows]."""
+    inputs.steps[i] (a deferred slot in the first only, unsampled), by the inputs' `DraftPlan`:
+    the cache, the state and a `DispatchOutput` of the rows' output [steps x (k + 1), rows]
+    (tokens -1 where nothing was emitted), the drafts checked [steps, rows] and their kinds."""
 
     def step(cache, part, active, deferred):
         cache, part, out, checked, kind = verify_step(
-            params, cache, part, tables, active, plan, deferred, want_logprobs, **options
+            params, cache, part, tables, active, inputs.plan, deferred, inputs.want_logprobs, **options
         )
         return cache, part, (out, checked, kind)
 
-    cache, state, (outs, checked, kinds) = scan_rows(step, cache, state, row_steps, deferred, steps)
-    return cache, state, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs), checked, kinds
+    cache, state, (outs, checked, kinds) = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)
+    outs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs)
+    return cache, state, DispatchOutput(rows=outs, checked=checked, kinds=kinds)
 
 
 def may_draft(sampling, constrained: bool) -> bool:

@@ -133,16 +133,30 @@ def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs):
     )
     nothing = lambda: (jnp.zeros((rows,), jnp.int32), nothing_chosen(rows))
     token, out = jax.lax.cond(jnp.any(sampled), chosen, nothing)
-    advance = sampled.astype(jnp.int32)
-    at = jnp.where(sampled, state.positions + 1, state.history.shape[1])  # unsampled: dropped
-    state = state.replace(
-        tokens=jnp.where(sampled, token, state.tokens),
-        positions=state.positions + advance,
-        generated=state.generated + advance,
-        counts=state.counts.at[jnp.arange(rows), token].add(advance),
-        history=state.history.at[jnp.arange(rows), at].set(token, mode="drop"),
+    return advance_rows(state, token[:, None], sampled[:, None]), out
+
+
+def advance_rows(state: SlotState, tokens: jax.Array, taken: jax.Array) -> SlotState:
+    """The state's rows past the tokens [rows, n] they take (taken [rows, n], a prefix of each
+    row's): the last taken becomes the next decode input, and positions, output counts and token
+    history follow. Every step that emits tokens (decode, verify) advances its rows here."""
+    rows, n = tokens.shape
+    count = jnp.sum(taken, axis=1, dtype=jnp.int32)
+    seq = state.history.shape[1]
+    at = jnp.where(taken, state.positions[:, None] + 1 + jnp.arange(n)[None, :], seq)  # untaken: dropped
+    counts = state.counts
+    for j in range(n):
+        counts = counts.at[jnp.arange(rows), tokens[:, j]].add(taken[:, j].astype(jnp.int32))
+    last = jnp.take_along_axis(
+        jnp.concatenate([state.tokens[:, None], tokens], axis=1), count[:, None], axis=1
     )
-    return state, out
+    return state.replace(
+        tokens=last[:, 0],
+        positions=state.positions + count,
+        generated=state.generated + count,
+        counts=counts,
+        history=state.history.at[jnp.arange(rows)[:, None], at].set(tokens, mode="drop"),
+    )
 
 
 # ------------------------------------------------------------------------------- prompt chunks
@@ -160,7 +174,6 @@ class PrefillChunk:
     bias_ids: jax.Array  # [MAX_LOGIT_BIAS] int32, padded with V (dropped)
     bias_values: jax.Array  # [MAX_LOGIT_BIAS] float32
     stop_ids: jax.Array  # [MAX_STOP_IDS] int32, padded with V (dropped)
-    want_logprobs: jax.Array  # [] bool
     sampling: SamplingArrays  # [1]
 
 
@@ -168,8 +181,8 @@ _KNOBS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 # Knobs that travel in the int32 array: top_k, and the uint32 seed carried bit for bit.
 _INT_KNOBS = tuple(n for n in _KNOBS if not np.issubdtype(getattr(_EMPTY_KNOBS, n).dtype, np.floating))
 _FLOAT_KNOBS = tuple(n for n in _KNOBS if n not in _INT_KNOBS)
-_SCALARS = ("slot", "start", "length", "last", "generated", "min_tokens", "want_logprobs")
-_BOOLS = ("last", "want_logprobs")
+_SCALARS = ("slot", "start", "length", "last", "generated", "min_tokens")
+_BOOLS = ("last",)
 # (field, length) in array order; the int32 array ends with the tokens, of the chunk's bucket size.
 _INT_FIELDS = (
     *((n, 1) for n in _SCALARS),
@@ -226,6 +239,7 @@ class PackedChunk:
 
 def pack_chunk(
     tokens: np.ndarray,
+    *,
     slot: int,
     start: int,
     length: int,
@@ -236,7 +250,6 @@ def pack_chunk(
     stop_ids,
     sampling: SamplingArrays,
     vocab: int,
-    want_logprobs: bool,
 ) -> PackedChunk:
     """Host-side construction of a chunk (the sparse lists padded to fixed sizes, id V = dropped)."""
     items = list(bias.items())
@@ -249,7 +262,7 @@ def pack_chunk(
     knob = lambda name: np.asarray(getattr(sampling, name)).reshape(1)
     ints = {"slot": slot, "start": start, "length": length, "last": last, "generated": generated}
     ints |= {"min_tokens": min_tokens}
-    ints |= {"want_logprobs": want_logprobs, "bias_ids": bias_ids, "stop_ids": stops}
+    ints |= {"bias_ids": bias_ids, "stop_ids": stops}
     ints |= {n: knob(n).view(np.int32) if n == "seed" else knob(n).astype(np.int32) for n in _INT_KNOBS}
     floats = {"bias_values": bias_values} | {n: knob(n).astype(np.float32) for n in _FLOAT_KNOBS}
     as_array = lambda value, dtype: np.asarray(value, dtype).reshape(-1)

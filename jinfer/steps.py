@@ -1,36 +1,44 @@
-"""The jitted device steps, built once per (model config, layout, mesh).
+"""The jitted device programs, built once per (model config, layout, mesh).
 
-Three verbs touch the paged KV cache, all with the cache and slot state donated, all reading the
-host's block tables [slots, max_pages] (not donated: the host re-uploads them when they change):
+Every program that touches the paged KV cache has one signature, the cache and slot state donated,
+the host's block tables [slots, max_pages] read (not donated: the host re-uploads them when they
+change), its per-row inputs typed (`jinfer.inputs.RowInputs`), a prompt chunk where it carries one:
 
-  prefill(params, cache, state, tables, allowed, chunk) -> cache, state, out
+    program(weights, cache, state, tables, inputs, chunk) -> cache, state, DispatchOutput
+
+`Steps.programs` maps each compiled variant's key (`jinfer.inputs.Program`) to its jitted function:
+
+  prefill[chunk]
       One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
       sequence's pages, at positions start.. (so a long prompt is just several chunks, each
       attending to the ones before it, and a prompt whose first pages came from the prefix cache
       starts past them). The last real position's logits give the request's first token, sampled
       on device; the slot's state row is (re)initialised from the request (sampling knobs, logit
       bias, stop ids, how many tokens it generated before a preemption).
-  decode[rows, attn_len](params, cache, state, tables, row_steps, deferred, want_logprobs)
-      -> cache, state, out
+  decode[rows, attn_len]
       `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
       slot's last token, samples the next one per slot and keeps it on device for the following
-      step. Slot i takes part in the first row_steps[i] steps (0: inactive); a slot not taking
+      step. Slot i takes part in the first inputs.steps[i] steps (0: inactive); a slot not taking
       part computes too (shapes are fixed) but neither writes nor advances. A deferred slot (a
       constrained request: one step) is fed and written but not sampled: its logits wait in the
       state for `sample`.
-  mixed[rows, attn_len](params, cache, state, tables, allowed, row_steps, deferred, want_logprobs,
-        chunk) -> ..., out, chunk_out
+  mixed[rows, attn_len, chunk]
       One decode step that also prefills a prompt chunk (padded to `mixed_chunk_len(rows)`) into
       another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
-  verify[rows, attn_len, k](..., tables, row_steps, plan, deferred, want_logprobs) -> ..., checked, kinds
-      Decode steps that each verify up to k draft tokens a row (`jinfer.speculative`; n-gram
-      drafts: each step picks its length, plain included, `speculative.verify_programs`).
+  verify[rows, attn_len, drafts]
+      Decode steps that each verify up to `drafts` draft tokens a row (`jinfer.speculative`;
+      n-gram drafts: each step picks its length, plain included, `speculative.verify_programs`).
+  sample[rows]: (state, inputs) -> state, DispatchOutput
+      A constrained request's allowed tokens (`jinfer.structured`) follow from its token before,
+      which the host reads one dispatch late; so its decode row is deferred, and this program
+      samples the deferred rows under their bitmasks once the host has them (dispatched while the
+      decode before still runs, ahead of the next one), advancing them as a decode step would.
 
-With a draft model (`jinfer.draft`) the weights and the cache are both models' (`WithDraft`), every
+The weights and the caches are `jinfer.weights`' trees: with a draft model (`jinfer.draft`) every
 pass over tokens writes the draft's K/V too, and prefill, decode and mixed also come without the
-draft's passes (`Steps.program`), for batches no verify step could pay for.
+draft's passes (`Program.feeds_draft` False), for batches no verify step could pay for.
 
 Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask, output-token
 counts (what the penalties read) and token history (where drafts are looked up) from the tokens
@@ -43,26 +51,18 @@ highest busy slot; the scheduler fills the lowest free slot first) keeps a light
 from paying for every slot, and `attn_len` keeps attention to the filled part of the cache (with
 an attention kernel, which reads only each row's filled part itself, there is one `attn_len`).
 Log-probs are computed under `lax.cond` when some request asks for them: no variant of their own.
-
-A constrained request's allowed tokens (`jinfer.structured`) follow from its token before, which
-the host reads one dispatch late; so its decode row is deferred, and a small verb samples it once
-the host has its bitmask (dispatched while the decode before still runs, ahead of the next one):
-
-  sample(state, allowed, deferred, want_logprobs) -> state, out
-      Sample the deferred slots among 0..rows-1 (rows = len(deferred)) from their waiting logits
-      and advance them as a decode step would.
-
-Prefill and the mixed chunk sample their request's first token under `allowed` [slots,
-ceil(V / 32)] int32 too (each slot's allowed-token bitmask; all bits set for a slot without a
-constraint), applied only when some row is constrained (`lax.cond`). Only int32 tokens, per-slot
-flags and (when asked) log-probs leave the device; the engine reads them one iteration late so the
-host overlaps the device.
+Prefill and the mixed chunk sample their request's first token under the inputs' `allowed`
+bitmask [slots, ceil(V / 32)] (all bits set for a slot without a constraint), applied only when
+some row is constrained (`lax.cond`). Only int32 tokens, per-slot flags and (when asked) log-probs
+leave the device; the engine reads them one iteration late so the host overlaps the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
-from jinfer.draft import WithDraft, run_model, target_of
+from jinfer.draft import run_model
+from jinfer.inputs import DispatchOutput, Program, RowInputs, input_shardings
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
@@ -90,6 +91,7 @@ from jinfer.state import (
 )
 from jinfer.state import state_shardings as slot_state_shardings
 from jinfer.structured import ALL_ALLOWED, mask_words
+from jinfer.weights import Caches
 
 
 def _chunk_group(chunk: PrefillChunk) -> llama.TokenGroup:
@@ -110,7 +112,7 @@ def _no_logits(vocab: int) -> jax.Array:
     return jnp.zeros((1, vocab), jnp.float32)
 
 
-def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, allowed: jax.Array, vocab: int):
+def _start_slot(state: SlotState, chunk: PrefillChunk, logits, allowed, vocab: int, want_logprobs):
     """Sample a token from a prompt chunk's last logits [1, V] and (re)initialise the slot's state row.
 
     The token sampled after a prompt's last chunk is the request's next output token (the first,
@@ -133,7 +135,7 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, allowe
         allowed[slot][None],
         chunk.sampling,
         position[None],
-        chunk.want_logprobs,
+        want_logprobs,
     )
     set_row = lambda array, value: array.at[slot].set(value)
     # The chunk's tokens (and the token sampled after a prompt's last) where speculative drafts
@@ -160,16 +162,19 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits: jax.Array, allowe
     return state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
 
 
-def _prefill(params, cache, state: SlotState, tables, allowed, packed: PackedChunk, *, cfg, vocab, draft_cfg):
+def _prefill(
+    params, cache, state: SlotState, tables, inputs: RowInputs, packed: PackedChunk, *, cfg, vocab, draft_cfg
+):
+    """One prompt chunk into its slot; its token sampled under the slot's allowed set."""
     chunk = packed.unpack()
     (hidden,), cache = run_model(params, (_chunk_group(chunk),), cfg, cache, tables, draft_cfg=draft_cfg)
     logits = jax.lax.cond(
         chunk.last,
-        lambda: llama.logits(target_of(params), _last_real(hidden, chunk))[:, :vocab],
+        lambda: llama.logits(params.target, _last_real(hidden, chunk))[:, :vocab],
         lambda: _no_logits(vocab),
     )  # [1, V]
-    state, out = _start_slot(state, chunk, logits, allowed, vocab)
-    return cache, state, out
+    state, out = _start_slot(state, chunk, logits, inputs.allowed, vocab, inputs.want_logprobs)
+    return cache, state, DispatchOutput(rows=None, chunk=out)
 
 
 def _decode_step(
@@ -193,12 +198,12 @@ def _decode_step(
     Returns the cache, the rows' state, their output [rows] and the chunk's last logits [1, V]
     (None without a chunk). `attention`: attn_len and attention_kernel."""
     rows = active.shape[0]
-    groups = [llama.TokenGroup(state.tokens[:, None], state.positions[:, None], active=active)]
+    groups = [llama.TokenGroup.of_rows(state.tokens[:, None], state.positions, active)]
     if chunk is not None:
         groups.append(_chunk_group(chunk))
     hidden, cache = run_model(params, groups, cfg, cache, tables, draft_cfg=draft_cfg, **attention)
     last = hidden[0][:, 0]  # [rows, D]
-    target = target_of(params)
+    target = params.target
     if chunk is None:
         logits, chunk_logits = llama.logits(target, last)[:, :vocab], None
     else:
@@ -223,59 +228,50 @@ def _decode_step(
     return cache, state, out, chunk_logits
 
 
-def _decode(params, cache, state, tables, row_steps, deferred, want_logprobs, *, steps, **step_options):
+def _decode(params, cache, state, tables, inputs: RowInputs, chunk: None, *, steps, **step_options):
     """`steps` decode steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
-    row_steps[i] of them (a deferred slot in the first only, unsampled): the cache, the state and
-    the output [steps, rows]."""
+    inputs.steps[i] of them (a deferred slot in the first only, unsampled): the cache, the state
+    and the rows' output [steps, rows]."""
 
     def step(cache, part, active, deferred):
         cache, part, out, _ = _decode_step(
-            params, cache, part, tables, active, deferred, want_logprobs, None, **step_options
+            params, cache, part, tables, active, deferred, inputs.want_logprobs, None, **step_options
         )
         return cache, part, out
 
-    return scan_rows(step, cache, state, row_steps, deferred, steps)
+    cache, state, outs = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)
+    return cache, state, DispatchOutput(rows=outs)
 
 
-def _mixed(
-    params,
-    cache,
-    state,
-    tables,
-    allowed,
-    row_steps,
-    deferred,
-    want_logprobs,
-    packed: PackedChunk,
-    *,
-    vocab,
-    **options,
-):
-    """One decode step for slots 0..rows-1 (those with row_steps > 0; deferred ones unsampled) that
-    also prefills a prompt chunk into another slot, its token sampled under `allowed`: the cache,
-    the state, the decode output [1, rows] and the chunk's output [1, 1]."""
-    chunk = packed.unpack()
-    part = rows_of(state, row_steps.shape[0])
+def _mixed(params, cache, state, tables, inputs: RowInputs, packed: PackedChunk, *, vocab, **options):
+    """One decode step for slots 0..rows-1 (inputs' rows but the last, the chunk's; those with
+    steps > 0, deferred ones unsampled) that also prefills a prompt chunk into another slot, its
+    token sampled under its allowed set: the cache, the state, the rows' output [1, rows] and the
+    chunk's [1, 1]."""
+    chunk, rows = packed.unpack(), inputs.rows - 1
+    part = rows_of(state, rows)
+    active, deferred = inputs.steps[:rows] > 0, inputs.deferred[:rows]
     cache, part, out, chunk_logits = _decode_step(
-        params, cache, part, tables, row_steps > 0, deferred, want_logprobs, chunk, vocab=vocab, **options
+        params, cache, part, tables, active, deferred, inputs.want_logprobs, chunk, vocab=vocab, **options
     )
     state = put_rows(state, part)  # before the chunk's slot starts: it is not among the rows
-    state, chunk_out = _start_slot(state, chunk, chunk_logits, allowed, vocab)
-    return cache, state, jax.tree.map(lambda x: x[None], out), chunk_out
+    state, chunk_out = _start_slot(state, chunk, chunk_logits, inputs.allowed, vocab, inputs.want_logprobs)
+    return cache, state, DispatchOutput(rows=jax.tree.map(lambda x: x[None], out), chunk=chunk_out)
 
 
-def _sample(state: SlotState, allowed, deferred, want_logprobs):
+def _sample(state: SlotState, inputs: RowInputs):
     """Sample the deferred slots among 0..rows-1 under their allowed-token bitmasks: the state and
-    the output [1, rows]."""
-    rows = deferred.shape[0]
+    the rows' output [1, rows]."""
+    rows = inputs.rows
     part = rows_of(state, rows)
-    part, out = sample_rows(part, part.logits, allowed[:rows], deferred, want_logprobs)
+    allowed = inputs.allowed[:rows]
+    part, out = sample_rows(part, part.logits, allowed, inputs.deferred, inputs.want_logprobs)
     # Only the fields sampling changes are written back: on a CPU each is a pass of its own.
     put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(state, name), getattr(part, name), 0, 0)
     state = state.replace(
         **{name: put(name) for name in ("tokens", "positions", "generated", "counts", "history")}
     )
-    return state, jax.tree.map(lambda x: x[None], out)
+    return state, DispatchOutput(rows=jax.tree.map(lambda x: x[None], out))
 
 
 def _clear_pages(cache, pages: jax.Array):
@@ -285,22 +281,18 @@ def _clear_pages(cache, pages: jax.Array):
 
 @dataclasses.dataclass
 class Steps:
-    """The compiled verbs and the device layout they were built for."""
+    """The compiled programs and the device layout they were built for."""
 
     model: ModelConfig  # padded for the mesh
     draft_model: ModelConfig | None  # the draft model's, padded (`jinfer.draft`), or None
     layout: Layout
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
-    prefill: callable  # jitted prefill (one compiled executable per prefill bucket)
-    decode: dict[tuple[int, int], callable]  # (slot bucket, attention bucket) -> jitted decode
-    mixed: dict[tuple[int, int], callable]  # the same, for one decode step carrying a prompt chunk
-    # With a draft model, "prefill", "decode" and "mixed" again with its passes skipped; else empty.
-    without_draft: dict[str, object]
-    verify: dict[tuple[int, int, int], callable]  # (rows, attn_len, k): `speculative.verify_programs`
-    sample: callable  # (state, allowed, deferred [rows], want_logprobs) -> state, out: deferred rows
-    history: callable  # (state, [slot, prompt length, length, tokens...]) -> state
-    clear_pages: callable  # (cache, pages [max_pages]) -> cache
+    # Every compiled variant: prefill, decode, mixed and verify are (weights, cache, state, tables,
+    # inputs, chunk) -> cache, state, DispatchOutput; sample is (state, inputs) -> state, output.
+    programs: dict[Program, Callable]
+    history: Callable  # (state, [slot, prompt length, length, tokens...]) -> state
+    clear_pages: Callable  # (cache, pages [max_pages]) -> cache
     cache_sharding: NamedSharding
     state_shardings: SlotState
     tables_sharding: NamedSharding
@@ -311,28 +303,20 @@ class Steps:
     attention_buckets = property(lambda self: self.layout.attention_buckets)
     attention_bucket = property(lambda self: self.layout.attention_bucket)
 
-    def program(self, verb: str, feed_draft: bool = True):
-        """The jitted `verb` ("prefill", "decode", "mixed"), skipping a draft model's passes
-        unless `feed_draft` (`Speculation.feeds_draft`)."""
-        return getattr(self, verb) if feed_draft or self.draft_model is None else self.without_draft[verb]
+    def of_kind(self, kind: str) -> list[Program]:
+        return [program for program in self.programs if program.kind == kind]
 
     def compile_count(self) -> int:
-        """Compiled executables so far, over every verb (a warm engine must keep this constant)."""
-        verbs = (self.prefill, self.decode, self.mixed, self.verify, *self.without_draft.values())
-        verbs += (self.sample, self.history, self.clear_pages)
-        # A dict of bucket variants shares one jitted function between keys: count each once.
-        jitted = dict.fromkeys(
-            f for verb in verbs for f in (verb.values() if isinstance(verb, dict) else [verb])
-        )
+        """Compiled executables so far, over every program (a warm engine must keep this constant)."""
+        # Several keys share one jitted function (it compiles per shape): count each once.
+        jitted = dict.fromkeys([*self.programs.values(), self.history, self.clear_pages])
         return sum(f._cache_size() for f in jitted)
 
     def new_cache(self, dtype):
-        """The KV cache (`WithDraft` both models' with a draft model)."""
+        """The KV caches: the target model's, and a draft model's where there is one."""
         layout = self.layout
         new = lambda cfg: init_cache(cfg, layout.num_pages, layout.page_size, dtype, self.cache_sharding)
-        return (
-            new(self.model) if self.draft_model is None else WithDraft(new(self.model), new(self.draft_model))
-        )
+        return Caches(new(self.model), self.draft_model and new(self.draft_model))
 
     def new_state(self) -> SlotState:
         return new_state(
@@ -349,6 +333,80 @@ class Steps:
         return jax.device_put(allowed, self.allowed_sharding)
 
 
+def program_keys(layout: Layout, draft: bool) -> list[Program]:
+    """Every program the engine may dispatch for `layout` (with a `draft` model, prefill, decode
+    and mixed also without its passes)."""
+    keys = []
+    for feeds_draft in (True, False) if draft else (True,):
+        keys += [
+            Program("prefill", 1, chunk=size, feeds_draft=feeds_draft) for size in layout.prefill_buckets
+        ]
+        for attn_len in layout.attention_buckets:
+            for rows in layout.slot_buckets:
+                keys.append(Program("decode", rows, attn_len, feeds_draft=feeds_draft))
+                if layout.mixed_prefill_tokens:
+                    chunk = layout.mixed_chunk_len(rows)
+                    keys.append(Program("mixed", rows, attn_len, chunk, feeds_draft=feeds_draft))
+    for attn_len in layout.attention_buckets:
+        for rows, k in verify_programs(layout.speculative, layout.verify_variants):
+            keys.append(Program("verify", rows, attn_len, drafts=k))
+    return keys + [Program("sample", rows) for rows in layout.slot_buckets]
+
+
+def _program_function(key: Program, layout: Layout, model_options: dict) -> Callable:
+    """The function a program jits (before jit: several keys share one jitted function)."""
+    if key.kind == "sample":
+        return _sample
+    if key.kind == "prefill":
+        return partial(_prefill, **model_options)
+    options = {"attn_len": key.attn_len, "attention_kernel": layout.attention_kernel, **model_options}
+    steps = dispatch_steps(layout.decode_steps, mixed=key.kind == "mixed")
+    if key.kind == "verify":
+        lengths = program_lengths(layout.speculative, layout.verify_variants, key.drafts)
+        return partial(verify, steps=steps, lengths=lengths, source=layout.speculative, **options)
+    return partial(_decode, steps=steps, **options) if key.kind == "decode" else partial(_mixed, **options)
+
+
+class _Placement(NamedTuple):
+    """The shardings of what the programs carry and take."""
+
+    mesh: Mesh
+    params: object
+    pool: NamedSharding  # each layer's K or V pool
+    cache: object
+    state: SlotState
+    replicated: NamedSharding
+    by_slot: NamedSharding
+
+
+def _placement(mesh: Mesh, param_shardings, model: ModelConfig, draft: ModelConfig | None) -> _Placement:
+    # [K, P, page_size, H]: heads over the model axis, pages over the data axis.
+    pool = NamedSharding(mesh, PartitionSpec(MODEL, DATA, None, None))
+    pools = lambda cfg: KVCache(k=(pool,) * cfg.num_layers, v=(pool,) * cfg.num_layers)
+    cache = Caches(pools(model), draft and pools(draft))
+    replicated, by_slot = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(DATA))
+    return _Placement(mesh, param_shardings, pool, cache, slot_state_shardings(mesh), replicated, by_slot)
+
+
+def _jit_program(function: Callable, key: Program, place: _Placement) -> Callable:
+    """`function` jitted with explicit shardings and the cache and state donated."""
+    inputs = input_shardings(place.mesh, plan=key.kind == "verify")
+    if key.kind == "sample":
+        return jax.jit(
+            function,
+            in_shardings=(place.state, inputs),
+            out_shardings=(place.state, place.replicated),
+            donate_argnums=0,
+        )
+    carried = (place.cache, place.state)
+    return jax.jit(
+        function,
+        in_shardings=(place.params, *carried, place.replicated, inputs, place.replicated),
+        out_shardings=(*carried, place.replicated),
+        donate_argnums=(1, 2),
+    )
+
+
 def build_steps(
     model: ModelConfig,
     layout: Layout,
@@ -357,100 +415,35 @@ def build_steps(
     vocab_size: int,
     draft: ModelConfig | None = None,
 ) -> Steps:
-    """Jit prefill and decode once, with explicit shardings and the cache and state donated. With a
-    `draft` model (`jinfer.draft`), param_shardings are both models' (`WithDraft`)."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    by_slot = NamedSharding(mesh, PartitionSpec(DATA))
-    # [K, P, page_size, H]: heads over the model axis, pages over the data axis.
-    cache_sharding = NamedSharding(mesh, PartitionSpec(MODEL, DATA, None, None))
-    pools = lambda cfg: KVCache(k=(cache_sharding,) * cfg.num_layers, v=(cache_sharding,) * cfg.num_layers)
-    cache_shardings = pools(model) if draft is None else WithDraft(pools(model), pools(draft))
-    state_shardings = slot_state_shardings(mesh)
-    # The models every verb runs: the draft model only where it is fed.
-    model_options = lambda feed: {"cfg": model, "vocab": vocab_size, "draft_cfg": draft if feed else None}
-    kernel = layout.attention_kernel
-    carried = (cache_shardings, state_shardings)
+    """Jit every program once, with explicit shardings and the cache and state donated. With a
+    `draft` model (`jinfer.draft`), param_shardings are a `Weights` of both models'."""
+    place = _placement(mesh, param_shardings, model, draft)
+    jitted = {}  # one jitted function per (kind, attention bucket, drafts, feeding): it compiles per shape
 
-    def jit_decode(attn_len, kind, k=0, feed_draft=True):
-        """kind: "decode" | "mixed" (a prompt chunk rides along) | "verify" (up to k draft tokens a
-        row, `jinfer.speculative`); feed_draft=False: a draft model's passes skipped."""
-        options = {"attn_len": attn_len, "attention_kernel": kernel, **model_options(feed_draft)}
-        steps = dispatch_steps(layout.decode_steps, mixed=kind == "mixed")
-        if kind == "verify":
-            lengths = program_lengths(layout.speculative, layout.verify_variants, k)
-            fn = partial(verify, steps=steps, lengths=lengths, source=layout.speculative, **options)
-        else:
-            fn = partial(_decode, steps=steps, **options) if kind == "decode" else partial(_mixed, **options)
-        # Host values enter replicated: several processes may pass numpy arrays to jit only so.
-        # decode: row_steps, deferred, want_logprobs; mixed: + allowed (the chunk's first token;
-        # decode rows are deferred) before them and the chunk after; verify: + the draft plan.
-        host = {"decode": 3, "mixed": 3, "verify": 4}[kind]
-        allowed, chunk = ((by_slot,), (replicated,)) if kind == "mixed" else ((), ())
-        # The chunk's output, or the drafts checked and their kinds.
-        extra_out = {"decode": (), "mixed": (replicated,), "verify": (replicated,) * 2}[kind]
-        return jax.jit(
-            fn,
-            in_shardings=(param_shardings, *carried, replicated, *allowed, *(replicated,) * host, *chunk),
-            out_shardings=(*carried, replicated, *extra_out),
-            donate_argnums=(1, 2),
-        )
+    def jit_program(key: Program) -> Callable:
+        shared = key._replace(rows=0, chunk=0)
+        if shared not in jitted:
+            options = {"cfg": model, "vocab": vocab_size, "draft_cfg": draft if key.feeds_draft else None}
+            jitted[shared] = _jit_program(_program_function(key, layout, options), key, place)
+        return jitted[shared]
 
-    def by_bucket_pair(kind, feed_draft=True):
-        # One jitted function per attention bucket serves every slot bucket (the active mask's
-        # length); the dict names each compiled pair so the engine and warm-up agree on them.
-        by_len = {n: jit_decode(n, kind, feed_draft=feed_draft) for n in layout.attention_buckets}
-        return {(rows, n): by_len[n] for n in layout.attention_buckets for rows in layout.slot_buckets}
-
-    def token_verbs(feed_draft=True):
-        """prefill, decode and mixed, with a draft model's passes or without them."""
-        prefill = jax.jit(
-            partial(_prefill, **model_options(feed_draft)),
-            in_shardings=(param_shardings, *carried, replicated, by_slot, replicated),
-            out_shardings=(*carried, replicated),
-            donate_argnums=(1, 2),
-        )
-        mixed = by_bucket_pair("mixed", feed_draft) if layout.mixed_prefill_tokens else {}
-        return {"prefill": prefill, "decode": by_bucket_pair("decode", feed_draft), "mixed": mixed}
-
-    def verify_variants():
-        # One jitted function per (attention bucket, draft length) serves every slot bucket.
-        programs = verify_programs(layout.speculative, layout.verify_variants)
-        longest = sorted({k for _, k in programs})
-        by_len = {(n, k): jit_decode(n, "verify", k) for n in layout.attention_buckets for k in longest}
-        return {(rows, n, k): by_len[n, k] for n in layout.attention_buckets for rows, k in programs}
-
+    small = lambda f, carried: jax.jit(
+        f, in_shardings=(carried, place.replicated), out_shardings=carried, donate_argnums=0
+    )
     return Steps(
         model=model,
         draft_model=draft,
         layout=layout,
         vocab_size=vocab_size,
         mesh=mesh,
-        **token_verbs(),
-        without_draft=token_verbs(feed_draft=False) if draft else {},
-        verify=verify_variants(),
-        sample=jax.jit(
-            _sample,
-            in_shardings=(state_shardings, by_slot, replicated, replicated),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=0,
-        ),
-        history=jax.jit(
-            partial(set_history, vocab=vocab_size),
-            in_shardings=(state_shardings, replicated),
-            out_shardings=state_shardings,
-            donate_argnums=0,
-        ),
-        clear_pages=jax.jit(
-            _clear_pages,
-            in_shardings=(cache_shardings, replicated),
-            out_shardings=cache_shardings,
-            donate_argnums=0,
-        ),
-        cache_sharding=cache_sharding,
-        state_shardings=state_shardings,
-        tables_sharding=replicated,
-        allowed_sharding=by_slot,
+        programs={key: jit_program(key) for key in program_keys(layout, draft is not None)},
+        history=small(partial(set_history, vocab=vocab_size), place.state),
+        clear_pages=small(_clear_pages, place.cache),
+        cache_sharding=place.pool,
+        state_shardings=place.state,
+        tables_sharding=place.replicated,
+        allowed_sharding=place.by_slot,
         unconstrained=jax.device_put(
-            np.full((layout.max_slots, mask_words(vocab_size)), ALL_ALLOWED, np.int32), by_slot
+            np.full((layout.max_slots, mask_words(vocab_size)), ALL_ALLOWED, np.int32), place.by_slot
         ),
     )

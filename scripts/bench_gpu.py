@@ -51,14 +51,16 @@ from benchlib import (
 
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.formats.hf import model_config as hf_config
+from jinfer.inputs import DraftPlan, Program, neutral_inputs
 from jinfer.kv_cache import bytes_per_token, contiguous_tables
 from jinfer.layout import resolve_layout
 from jinfer.models import llama
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
-from jinfer.speculative import LONGEST_NGRAM, DraftPlan, program_lengths, verify_programs
+from jinfer.speculative import LONGEST_NGRAM, program_lengths, verify_programs
 from jinfer.state import pack_chunk
 from jinfer.steps import build_steps
+from jinfer.weights import Weights
 
 SHAPES = {
     "llama3-8b": {
@@ -98,7 +100,18 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
 def prompt_chunk(cfg, tokens: int, slot: int = 0):
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
-    return pack_chunk(prompt, slot, 0, tokens, True, 0, 0, {}, (), greedy, cfg.vocab_size, False)
+    flags = {"slot": slot, "start": 0, "length": tokens, "last": True, "generated": 0, "min_tokens": 0}
+    return pack_chunk(prompt, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=cfg.vocab_size)
+
+
+def inputs_for(steps, program: Program, busy: int = 0, plan=None):
+    """A program's inputs: its decode rows `busy` steps each (a carried chunk's row 1), no row
+    constrained, `plan` for a verify program."""
+    rows = program.rows + (program.kind == "mixed")
+    row_steps = np.full(rows, busy, np.int32)
+    row_steps[program.rows :] = 1
+    inputs = neutral_inputs(rows).replace(steps=row_steps, allowed=steps.unconstrained)
+    return inputs if plan is None else inputs.replace(plan=plan)
 
 
 def best_time(call, carried, calls: int) -> float:
@@ -107,7 +120,7 @@ def best_time(call, carried, calls: int) -> float:
     for _ in range(calls + 1):
         start = time.perf_counter()
         carried, out = call(carried)
-        out.tokens.block_until_ready()
+        (out.chunk if out.rows is None else out.rows).tokens.block_until_ready()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -124,9 +137,11 @@ def tables_of(steps):
 
 def bench_prefill(cfg, steps, params, dtype, tokens: int, calls: int, peak_flop_s: float) -> dict:
     chunk, tables = prompt_chunk(cfg, tokens), tables_of(steps)
+    program = Program("prefill", 1, chunk=tokens)
+    prefill, inputs = steps.programs[program], inputs_for(steps, program, 1)
 
     def call(carried):
-        cache, state, out = steps.prefill(params, *carried, tables, steps.unconstrained, chunk)
+        cache, state, out = prefill(Weights(params), *carried, tables, inputs, chunk)
         return (cache, state), out
 
     best = best_time(call, fresh(steps, dtype), calls)
@@ -145,17 +160,17 @@ def busy_state(steps, dtype, context: int):
     return cache, state.replace(positions=jnp.full_like(state.positions, context))
 
 
-def time_decode(decode, steps, params, dtype, slots: int, args) -> float:
+def time_decode(program: Program, steps, params, dtype, args) -> float:
     """Seconds per decode step: `args.calls` back-to-back calls after one that compiles."""
-    row_steps, tables = jnp.full((slots,), steps.layout.decode_steps, jnp.int32), tables_of(steps)
+    decode, tables = steps.programs[program], tables_of(steps)
+    inputs = inputs_for(steps, program, steps.layout.decode_steps)
     cache, state = busy_state(steps, dtype, args.context)
-    no_deferral = jnp.zeros((slots,), bool)
-    cache, state, out = decode(params, cache, state, tables, row_steps, no_deferral, False)
-    out.tokens.block_until_ready()
+    cache, state, out = decode(Weights(params), cache, state, tables, inputs, None)
+    out.rows.tokens.block_until_ready()
     start = time.perf_counter()
     for _ in range(args.calls):
-        cache, state, out = decode(params, cache, state, tables, row_steps, no_deferral, False)
-    out.tokens.block_until_ready()
+        cache, state, out = decode(Weights(params), cache, state, tables, inputs, None)
+    out.rows.tokens.block_until_ready()
     return (time.perf_counter() - start) / (args.calls * steps.layout.decode_steps)
 
 
@@ -168,34 +183,33 @@ def layout_of(engine: EngineConfig, cfg: ModelConfig):
 def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> dict:
     """One decode step over every slot, alone and carrying a prompt chunk; the chunk alone."""
     engine = layout_of(dataclasses.replace(base, decode_steps=1, mixed_prefill_tokens=args.mixed_tokens), cfg)
-    steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
+    steps = build_steps(cfg, engine, mesh, Weights(shardings), cfg.vocab_size)
     bucket = steps.attention_bucket(args.context + args.calls + 1)
     size = engine.mixed_chunk_len(slots)
     # The chunk goes to the last slot, which the decode step does not advance.
-    row_steps = (jnp.arange(slots) < slots - 1).astype(jnp.int32)
     chunk, tables = prompt_chunk(cfg, size, slot=slots - 1), tables_of(steps)
-    no_deferral = jnp.zeros((slots,), bool)
     progress(f"mixed prefill at {slots} slots: a {size}-token chunk in a decode step")
 
-    def decode(carried):
-        cache, state, out = steps.decode[slots, bucket](
-            params, *carried, tables, row_steps, no_deferral, False
-        )
-        return (cache, state), out
+    def runner(program: Program, with_chunk: bool):
+        inputs = inputs_for(steps, program, 1)
+        inputs = inputs.replace(steps=(np.arange(inputs.rows) != slots - 1).astype(np.int32))
 
-    def mixed(carried):
-        cache, state, out, _ = steps.mixed[slots, bucket](
-            params, *carried, tables, steps.unconstrained, row_steps, no_deferral, False, chunk
-        )
-        return (cache, state), out
+        def call(carried):
+            cache, state, out = steps.programs[program](
+                Weights(params), *carried, tables, inputs, chunk if with_chunk else None
+            )
+            return (cache, state), out
 
-    def prefill(carried):
-        cache, state, out = steps.prefill(params, *carried, tables, steps.unconstrained, chunk)
-        return (cache, state), out
+        return call
 
+    programs = {
+        "decode": runner(Program("decode", slots, bucket), False),
+        "mixed": runner(Program("mixed", slots, bucket, size), True),
+        "prefill": runner(Program("prefill", 1, chunk=size), True),
+    }
     times = {
         name: best_time(call, busy_state(steps, dtype, args.context), args.calls // 5)
-        for name, call in (("decode", decode), ("mixed", mixed), ("prefill", prefill))
+        for name, call in programs.items()
     }
     return {"slots": slots, "chunk_tokens": size, **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
 
@@ -205,27 +219,29 @@ def bench_speculative(cfg, base, mesh, shardings, params, dtype, args) -> dict:
     proposed; per step), and the batch-1 speed-up that implies at draft acceptance rates a (each
     draft token accepted with chance a given the ones before): (1 + a + ... + a^k) / cost."""
     engine = layout_of(dataclasses.replace(base, max_slots=1, speculative="ngram", num_draft_tokens=8), cfg)
-    steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
+    steps = build_steps(cfg, engine, mesh, Weights(shardings), cfg.vocab_size)
     bucket = steps.attention_bucket(args.context + args.calls * engine.decode_steps * 9 + 1)
-    row_steps, tables = jnp.full((1,), engine.decode_steps, jnp.int32), tables_of(steps)
-    no = jnp.zeros((1,), bool)
+    tables = tables_of(steps)
     progress("speculative: batch-1 decode against verify steps of 1, 2, 4, 8 draft tokens")
     ((_, longest),) = verify_programs(engine.speculative, engine.verify_variants)
     lengths = program_lengths(engine.speculative, engine.verify_variants, longest)
 
+    plain = Program("decode", 1, bucket)
+    decode_inputs = inputs_for(steps, plain, engine.decode_steps)
+
     def decode(carried):
-        cache, state, out = steps.decode[1, bucket](params, *carried, tables, row_steps, no, False)
+        cache, state, out = steps.programs[plain](Weights(params), *carried, tables, decode_inputs, None)
         return (cache, state), out
 
     def verify(k):
         # The program of every length, made to take k (each step would pick; here every one drafts).
         chances, costs = np.full((1, LONGEST_NGRAM), 0.5, np.float32), np.ones(len(lengths), np.float32)
         plan = DraftPlan(np.ones(1, bool), chances, costs, np.int32(lengths.index(k)))
+        program = Program("verify", 1, bucket, drafts=longest)
+        inputs = inputs_for(steps, program, engine.decode_steps, plan)
 
         def call(carried):
-            cache, state, out, *_ = steps.verify[1, bucket, longest](
-                params, *carried, tables, row_steps, plan, no, False
-            )
+            cache, state, out = steps.programs[program](Weights(params), *carried, tables, inputs, None)
             return (cache, state), out
 
         return call
@@ -296,7 +312,7 @@ def main() -> int:
             variants = {**kernels, **variants}
         for attention, asked in variants.items():
             engine = layout_of(asked, cfg)
-            steps = build_steps(cfg, engine, mesh, shardings, cfg.vocab_size)
+            steps = build_steps(cfg, engine, mesh, Weights(shardings), cfg.vocab_size)
             if prefill is None:
                 progress(f"prefill: one {args.prefill_tokens}-token chunk, best of {args.calls // 5}")
                 prefill = bench_prefill(
@@ -306,7 +322,7 @@ def main() -> int:
             reach = args.context + args.calls * engine.decode_steps
             bucket = steps.attention_bucket(reach)
             try:
-                step_s = time_decode(steps.decode[slots, bucket], steps, params, dtype, slots, args)
+                step_s = time_decode(Program("decode", slots, bucket), steps, params, dtype, args)
             except Exception as error:  # a kernel that does not build here must not cost the rest
                 progress(f"  failed: {type(error).__name__}: {str(error)[:2000]}")
                 continue

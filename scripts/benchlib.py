@@ -101,24 +101,24 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
     and state, which it keeps afterwards (they are donated). Each slot reads and writes pages of its
     own (as many as a full-length sequence has: the pool must hold slots x max_seq_len positions).
     With `position`, every slot starts there; otherwise where the engine's requests left it."""
+    from jinfer.inputs import Program, neutral_inputs
     from jinfer.kv_cache import contiguous_tables
 
-    decode = engine.steps.decode[slots, engine.steps.attention_bucket(reach)]
+    decode = engine.steps.programs[Program("decode", slots, engine.steps.attention_bucket(reach))]
     layout = engine.layout
     tables = contiguous_tables(layout.max_slots, layout.max_seq_len, layout.page_size)
     if tables.max() >= layout.num_pages:
         raise ValueError("time_decode_calls needs a pool of max_slots x max_seq_len positions")
     tables = engine.steps.put_tables(tables)
-    row_steps = np.full(slots, layout.decode_steps, np.int32)  # every slot, every step
+    every_step = np.full(slots, layout.decode_steps, np.int32)  # every slot, every step
+    inputs = neutral_inputs(slots).replace(steps=every_step, allowed=engine.steps.unconstrained)
     cache, state = engine.device.cache, engine.device.state
     if position is not None:
         state = state.replace(positions=jnp.full_like(state.positions, position))
     start = time.perf_counter()
     for _ in range(calls):
-        cache, state, out = decode(
-            engine.params, cache, state, tables, row_steps, np.zeros(slots, bool), np.False_
-        )
-    out.tokens.block_until_ready()
+        cache, state, out = decode(engine.device.weights, cache, state, tables, inputs, None)
+    out.rows.tokens.block_until_ready()
     engine.device.cache, engine.device.state = cache, state
     return (time.perf_counter() - start) / (calls * engine.layout.decode_steps)
 

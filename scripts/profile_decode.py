@@ -31,6 +31,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from benchlib import (
     PROMPT,
     decode_weight_bytes,
@@ -42,6 +43,7 @@ from benchlib import (
 )
 
 import jinfer
+from jinfer.inputs import Program, neutral_inputs
 from jinfer.kv_cache import contiguous_tables
 from jinfer.models import llama
 
@@ -110,21 +112,19 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
     # 2 + 2 * CALLS more dispatches of decode_steps positions each.
     reach = len(llm.tokenizer.encode(PROMPT)) + 32 + (2 + 2 * CALLS) * engine.layout.decode_steps
     bucket = engine.steps.attention_bucket(reach)
-    decode = engine.steps.decode[slots, bucket]
+    decode = engine.steps.programs[Program("decode", slots, bucket)]
     layout = engine.layout
-    row_steps = jnp.full((slots,), layout.decode_steps, jnp.int32)  # every slot, every step
-    no_deferral = jnp.zeros((slots,), bool)
+    every_step = np.full(slots, layout.decode_steps, np.int32)  # every slot, every step
+    inputs = neutral_inputs(slots).replace(steps=every_step, allowed=engine.steps.unconstrained)
     tables = engine.steps.put_tables(contiguous_tables(slots, layout.max_seq_len, layout.page_size))
     cache, state = engine.device.cache, engine.device.state
-    scopes = op_scopes(
-        decode.lower(engine.params, cache, state, tables, row_steps, no_deferral, False).compile().as_text()
-    )
+    scopes = op_scopes(decode.lower(engine.params, cache, state, tables, inputs, None).compile().as_text())
 
     def run(calls):
         nonlocal cache, state
         for _ in range(calls):
-            cache, state, out = decode(engine.params, cache, state, tables, row_steps, no_deferral, False)
-        out.tokens.block_until_ready()
+            cache, state, out = decode(engine.device.weights, cache, state, tables, inputs, None)
+        out.rows.tokens.block_until_ready()
 
     run(2)
     start = time.perf_counter()

@@ -379,37 +379,23 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
             running.pop(client_id, None)
 
 
-def build_app(
-    engine: Engine,
-    settings: ServerConfig | None = None,
-    model_name: str = "jinfer",
-    api_keys: tuple[str, ...] = (),
-    fingerprint: Callable[[], str] | None = None,
-) -> tuple[Starlette, JinferAPI]:
-    settings = settings or ServerConfig()
-    api = JinferAPI(engine, settings, model_name, api_keys, fingerprint)
+async def _api_error(request, exc: APIError):
+    return _error_response(exc)
 
-    async def api_error(request, exc: APIError):
-        return _error_response(exc)
 
-    async def http_error(request, exc: HTTPException):
-        status = exc.status_code
-        message = f"no route for {request.method} {request.url.path}" if status in (404, 405) else exc.detail
-        return _error_response(APIError(status, message, code="not_found" if status == 404 else None))
+async def _http_error(request, exc: HTTPException):
+    status = exc.status_code
+    message = f"no route for {request.method} {request.url.path}" if status in (404, 405) else exc.detail
+    return _error_response(APIError(status, message, code="not_found" if status == 404 else None))
 
-    async def unexpected(request, exc: Exception):
-        log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
-    from contextlib import asynccontextmanager
+async def _unexpected(request, exc: Exception):
+    log.exception("unhandled error")
+    return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
-    @asynccontextmanager
-    async def lifespan(app):
-        await api.startup()
-        yield
-        await api.shutdown()
 
-    routes = [
+def _routes(api: JinferAPI) -> list:
+    return [
         Route("/health", api.health),
         Route("/ready", api.ready_check),
         Route("/metrics", api.metrics_endpoint),
@@ -427,6 +413,27 @@ def build_app(
         Route("/responses", api.responses, methods=["POST"]),
         WebSocketRoute("/v1/ws", api.websocket),
     ]
+
+
+def build_app(
+    engine: Engine,
+    settings: ServerConfig | None = None,
+    model_name: str = "jinfer",
+    api_keys: tuple[str, ...] = (),
+    fingerprint: Callable[[], str] | None = None,
+) -> tuple[Starlette, JinferAPI]:
+    settings = settings or ServerConfig()
+    api = JinferAPI(engine, settings, model_name, api_keys, fingerprint)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await api.startup()
+        yield
+        await api.shutdown()
+
+    routes = _routes(api)
     open_paths = set(OPEN_PATHS)
     if settings.web_ui:
         routes += page_routes()
@@ -434,7 +441,7 @@ def build_app(
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected},
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
     )
     app.add_middleware(AuthMiddleware, keys=api_keys, open_paths=open_paths)
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no key

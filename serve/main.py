@@ -150,39 +150,61 @@ def served_name(server: ServerConfig, model_path: str) -> str:
     return preset or os.path.basename(os.path.normpath(model_path)).removesuffix(".gguf")
 
 
+class StartError(Exception):
+    """Why the server cannot start: printed as `jinfer serve: error: ...`, exit status 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        server, engine_config, sampling = resolve_options(args)
-        keys = api_keys(server)
-    except (ValueError, OSError) as e:
+        try:
+            server, engine_config, sampling = resolve_options(args)
+            keys = api_keys(server)
+        except (ValueError, OSError) as e:
+            raise StartError(e) from None
+        logging.basicConfig(
+            level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        member, sock = _join_and_listen(server, engine_config)
+        engine, model_path = _load_engine(server, engine_config, sampling)
+    except StartError as e:
         print(f"jinfer serve: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if sock is None:
+        log.info("process %d follows process 0's device calls", member.rank)
+        return engine.follow()
+    _serve(engine, server, model_path, keys, sock)
+    if member is not None and engine.failure is not None:
+        # A process of the cluster is gone, and a computation dispatched before that may wait on it
+        # in a collective forever: the interpreter's teardown would wait with it. Tell the live
+        # followers to stop, then leave without the teardown.
+        member.stop()
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+def _join_and_listen(server: ServerConfig, engine_config: EngineConfig):
+    """This process's cluster membership (None alone) and its listening socket (None for a
+    follower: it serves no HTTP)."""
     from jinfer.cluster import join_cluster
 
     try:
         member = join_cluster(engine_config)  # before anything touches a device
     except (ValueError, RuntimeError) as e:
-        print(f"jinfer serve: error: cannot join the cluster: {e}", file=sys.stderr)
-        return 2
-    follower = member is not None and not member.leader
+        raise StartError(f"cannot join the cluster: {e}") from None
+    if member is not None and not member.leader:
+        return member, None
     try:
-        sock = None if follower else bind(server.host, server.port)  # a follower serves no HTTP
+        return member, bind(server.host, server.port)
     except OSError as e:
-        print(
-            f"jinfer serve: error: cannot listen on {server.host}:{server.port}: {e.strerror or e}",
-            file=sys.stderr,
-        )
-        return 2
+        raise StartError(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
 
+
+def _load_engine(server: ServerConfig, engine_config: EngineConfig, sampling: dict):
+    """The engine over the model the settings name, and that model's path."""
     from jinfer.engine import Engine
     from jinfer.loading import default_model_path, load_model, placement_for
-
-    from .app import build_app
-    from .fingerprint import system_fingerprint
 
     model_path = server.model or default_model_path()
     start = time.perf_counter()
@@ -192,26 +214,29 @@ def main(argv: list[str] | None = None) -> int:
         loaded.generation_defaults.update(sampling)
         engine = Engine(loaded, engine_config)
     except (ValueError, OSError) as e:
-        print(f"jinfer serve: error: {e}", file=sys.stderr)
-        return 2
-    if follower:
-        log.info("process %d follows process 0's device calls", member.rank)
-        return engine.follow()
-    name = served_name(server, model_path)
+        raise StartError(e) from None
     log.info(
         "model %s (%s, %d layers) loaded in %.1f s as '%s' (resident memory peak so far: %.0f MiB, "
-        "weights and KV pool); "
-        "sampling defaults %s",
+        "weights and KV pool); sampling defaults %s",
         model_path,
         loaded.config.architecture,
         loaded.config.num_layers,
         time.perf_counter() - start,
-        name,
+        served_name(server, model_path),
         peak_resident_bytes() / 2**20,
         engine.preparer.sampling(None),
     )
+    return engine, model_path
+
+
+def _serve(engine, server: ServerConfig, model_path: str, keys: tuple[str, ...], sock: socket.socket) -> None:
+    """Serve HTTP on `sock` until SIGTERM or SIGINT (drained: `DrainingServer`)."""
+    from .app import build_app
+    from .fingerprint import system_fingerprint
+
     # Hashing the model's files takes a while for a large model: done during the warm-up.
-    app, api = build_app(engine, server, name, keys, lambda: system_fingerprint(engine, model_path))
+    fingerprint = lambda: system_fingerprint(engine, model_path)
+    app, api = build_app(engine, server, served_name(server, model_path), keys, fingerprint)
     config = uvicorn.Config(
         app,
         log_level=server.log_level,
@@ -221,14 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     host = f"[{server.host}]" if ":" in server.host else server.host
     DrainingServer(config, api, f"http://{host}:{sock.getsockname()[1]}").run(sockets=[sock])
-    if member is not None and engine.failure is not None:
-        # A process of the cluster is gone, and a computation dispatched before that may wait on it
-        # in a collective forever: the interpreter's teardown would wait with it. Tell the live
-        # followers to stop, then leave without the teardown.
-        member.stop()
-        logging.shutdown()
-        os._exit(0)
-    return 0
 
 
 if __name__ == "__main__":

@@ -280,59 +280,92 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")
-    prompts, messages = [], None
-    if kind == "completion":
-        prompt = body.get("prompt")
-        several = isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)
-        prompts = list(prompt) if several else [prompt]
-        for one in prompts:
-            ids = (
-                isinstance(one, list)
-                and one
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in one)
-            )
-            if not (isinstance(one, str) or ids):
-                raise APIError(
-                    400,
-                    "'prompt' must be a string, a list of token ids, or a list of either",
-                    param="prompt",
-                )
-    else:
-        messages = body.get("messages")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None and kind == "completion":
-        max_tokens = LEGACY_COMPLETIONS_MAX_TOKENS
-    # max_tokens 0 with echo scores the prompt and generates nothing (how evaluation harnesses ask
-    # for a text's log-likelihood).
-    score_only = kind == "completion" and max_tokens == 0 and _bool(body, "echo")
-    if score_only:
-        max_tokens = None
-        if _bool(body, "stream"):
-            raise APIError(400, "max_tokens 0 (scoring the echoed prompt) is not streamed", param="stream")
+    prompts = _completion_prompts(body) if kind == "completion" else []
+    max_tokens, score_only = _max_tokens(body, kind)
     n = _integer(body, "n", 1, low=1, high=max_n)
     if len(prompts) * n > max_n:
         raise APIError(
             400, f"{len(prompts)} prompts x n={n} choices: at most {max_n} at once", param="prompt"
         )
-    if kind == "completion":
-        logprobs = _integer(body, "logprobs", None, low=0, high=20)
-        if body.get("suffix") not in (None, ""):
-            raise APIError(400, "'suffix' (text after the insertion) is not supported", param="suffix")
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != n:
-            raise APIError(400, "'best_of' other than n is not supported", param="best_of")
-    else:
-        want = _bool(body, "logprobs")
-        top = _integer(body, "top_logprobs", None, low=0, high=20)
-        if top is not None and not want:
-            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        logprobs = (top or 0) if want else None
+    logprobs = _completion_logprobs(body, n) if kind == "completion" else _chat_logprobs(body)
     stream = _bool(body, "stream")
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     if not isinstance(stream_options or {}, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    session = _session_fields(body)
+    _check_tool_fields(body, kind)
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        prompts=prompts,
+        messages=body.get("messages") if kind == "chat" else None,
+        sampling=_sampling(body, max_tokens, logprobs),
+        n=n,
+        stream=stream,
+        include_usage=_bool(stream_options or {}, "include_usage"),
+        echo=_bool(body, "echo") if kind == "completion" else False,
+        score_only=score_only,
+        top_logprobs=logprobs,
+        tools=body.get("tools"),
+        tool_choice=body.get("tool_choice"),
+        parallel_tool_calls=body.get("parallel_tool_calls", True),
+        **session,
+    )
+
+
+def _completion_prompts(body: dict[str, Any]) -> list:
+    """A completions body's prompts: one string or token-id list, or a list of those."""
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)
+    prompts = list(prompt) if several else [prompt]
+    for one in prompts:
+        ids = (
+            isinstance(one, list) and one and all(isinstance(t, int) and not isinstance(t, bool) for t in one)
+        )
+        if not (isinstance(one, str) or ids):
+            raise APIError(
+                400, "'prompt' must be a string, a list of token ids, or a list of either", param="prompt"
+            )
+    return prompts
+
+
+def _max_tokens(body: dict[str, Any], kind: str) -> tuple[int | None, bool]:
+    """(max_tokens, whether the request only scores its echoed prompt)."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None and kind == "completion":
+        max_tokens = LEGACY_COMPLETIONS_MAX_TOKENS
+    # max_tokens 0 with echo scores the prompt and generates nothing (how evaluation harnesses ask
+    # for a text's log-likelihood).
+    score_only = kind == "completion" and max_tokens == 0 and _bool(body, "echo")
+    if score_only and _bool(body, "stream"):
+        raise APIError(400, "max_tokens 0 (scoring the echoed prompt) is not streamed", param="stream")
+    return (None, True) if score_only else (max_tokens, False)
+
+
+def _completion_logprobs(body: dict[str, Any], n: int) -> int | None:
+    """A completions body's `logprobs` (alternatives per token), once its other legacy fields pass."""
+    logprobs = _integer(body, "logprobs", None, low=0, high=20)
+    if body.get("suffix") not in (None, ""):
+        raise APIError(400, "'suffix' (text after the insertion) is not supported", param="suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise APIError(400, "'best_of' other than n is not supported", param="best_of")
+    return logprobs
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """A chat body's `logprobs` / `top_logprobs` as alternatives per token (None: not asked)."""
+    want = _bool(body, "logprobs")
+    top = _integer(body, "top_logprobs", None, low=0, high=20)
+    if top is not None and not want:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if want else None
+
+
+def _session_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """context_policy, user and cache_salt, checked."""
     policy = body.get("context_policy", "truncate" if body.get("truncate_prompt_tokens") else None)
     if policy not in (None, "error", "truncate", "drop_oldest"):
         raise APIError(400, "'context_policy' must be error, truncate or drop_oldest", param="context_policy")
@@ -342,6 +375,10 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+    return {"context_policy": policy, "user": user, "cache_salt": cache_salt}
+
+
+def _check_tool_fields(body: dict[str, Any], kind: str) -> None:
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
             raise APIError(
@@ -350,10 +387,14 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
     tool_fields = ("tools", "tool_choice", "parallel_tool_calls")
     if kind == "completion" and any(body.get(name) is not None for name in tool_fields):
         raise APIError(400, "tools are for /v1/chat/completions", param="tools")
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The body's sampling fields as SamplingParams (a 400 naming the field that is wrong)."""
     top_k = body.get("top_k")
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     try:
-        sampling = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             top_k=0 if top_k == -1 else top_k,  # -1 means off, as in vLLM
             logit_bias=_logit_bias(body),
@@ -364,22 +405,3 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         )
     except RequestError as e:
         raise APIError(400, str(e), param=api_param(e.param)) from None
-    return GenerationRequest(
-        kind=kind,
-        model=model,
-        prompts=prompts,
-        messages=messages,
-        sampling=sampling,
-        n=n,
-        stream=stream,
-        include_usage=_bool(stream_options or {}, "include_usage"),
-        echo=_bool(body, "echo") if kind == "completion" else False,
-        score_only=score_only,
-        top_logprobs=logprobs,
-        context_policy=policy,
-        user=user,
-        cache_salt=cache_salt,
-        tools=body.get("tools"),
-        tool_choice=body.get("tool_choice"),
-        parallel_tool_calls=body.get("parallel_tool_calls", True),
-    )

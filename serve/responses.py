@@ -117,6 +117,86 @@ def sse_data(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False).translate(_UNICODE_LINE_BREAKS)}\n\n"
 
 
+class ChunkWriter:
+    """The `data:` chunks of one streamed completions or chat response."""
+
+    def __init__(self, req: GenerationRequest, model_name: str, fingerprint: str, token_bytes):
+        self.req, self.token_bytes = req, token_bytes
+        self.head = {
+            "id": new_id(req.kind),
+            "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+            "created": now(),
+            "model": model_name,
+            "system_fingerprint": fingerprint,
+        }
+
+    def chunk(self, index, text=None, finish_reason=None, entries=None, role=False, calls=None) -> str:
+        """One choice's chunk: text (a chat delta's content), log-prob entries, a finish reason,
+        the chat's opening role, or tool-call deltas."""
+        req = self.req
+        logprobs = format_logprobs(req.kind, self.token_bytes, entries) if entries else None
+        choice = {"index": index}
+        if req.kind == "chat":
+            delta = (
+                {"role": "assistant", "content": ""}
+                if role
+                else {"content": text}
+                if text is not None
+                else {}
+            )
+            choice["delta"] = delta if calls is None else {"tool_calls": calls}
+        else:
+            choice["text"] = text or ""
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+        body = {**self.head, "choices": [choice]}
+        if req.include_usage:
+            body["usage"] = None
+        return sse_data(body)
+
+    def usage(self, choices: list[StreamedChoice], prompt_ids) -> str:
+        """The last chunk when `include_usage`: no choices, the usage, jinfer's seed and timings."""
+        req, finals = self.req, [choice.final for choice in choices]
+        completion_tokens = sum(f.metrics["completion_tokens"] for f in finals if f.metrics)
+        body = {**self.head, "choices": [], "usage": usage(finals[:: req.n], prompt_ids, completion_tokens)}
+        body["jinfer"] = {"seed": req.seed, "timings": [timings(f.metrics) for f in finals]}
+        return sse_data(body)
+
+
+class StreamedChoice:
+    """One choice of a streamed response: the text and log-prob entries not yet sent, its tool
+    calls (parsed out of the text as it comes, when the request has tools), its final event."""
+
+    def __init__(self, tool_use):
+        self.text, self.entries = [], []
+        self.tools = ToolStream(tool_use) if tool_use else None
+        self.final = None
+
+    def add(self, index: int, event, writer: ChunkWriter) -> list[str]:
+        """Buffer an event; the chunks that finish the choice if it is the last."""
+        self.text.append(event.text if self.tools is None else self.tools.add(event.text))
+        self.entries.extend(event.logprobs or ())
+        if not event.finished:
+            return []
+        self.final, reason, lines = event, event.finish_reason, []
+        if self.tools is not None:
+            rest, calls = self.tools.finish()
+            self.text.append(rest)
+            if calls and reason == "stop":
+                lines += self.flush(index, writer)
+                lines += [writer.chunk(index, calls=[delta]) for delta in tool_call_deltas(calls)]
+                reason = "tool_calls"
+        lines += self.flush(index, writer)
+        if reason == "error":  # what went wrong, as an event (OpenAI clients raise it)
+            lines.append(sse_data(APIError(500, event.error, code="engine_error").body()))
+        return [*lines, writer.chunk(index, None, reason)]  # the finish: an empty delta, as OpenAI's
+
+    def flush(self, index: int, writer: ChunkWriter) -> list[str]:
+        """A chunk of what is buffered, if anything is."""
+        text, entries = "".join(self.text), self.entries
+        self.text, self.entries = [], []
+        return [writer.chunk(index, text, None, entries)] if text or entries else []
+
+
 class ResponseWriter:
     async def _prompt_entries(self, req, prompt_ids: list[list[int]]) -> list[list[dict]]:
         """Log-prob entries of each prompt (scored once, whatever its n), for echo with logprobs;
@@ -242,111 +322,30 @@ class ResponseWriter:
 
     async def _sse(self, req, queue, request_ids, prompt_ids):
         """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
-        response_id, created = new_id(req.kind), now()
-        kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-
-        def chunk(index, text=None, finish_reason=None, entries=None, role=False, extra=None, calls=None):
-            logprobs = (
-                format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries) if entries else None
-            )
-            if req.kind == "chat":
-                delta = (
-                    {"role": "assistant", "content": ""}
-                    if role
-                    else ({"content": text} if text is not None else {})
-                )
-                if calls is not None:
-                    delta = {"tool_calls": calls}
-                choice = {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            else:
-                choice = {
-                    "index": index,
-                    "text": text or "",
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            body = {
-                "id": response_id,
-                "object": kind,
-                "created": created,
-                "model": self.model_name,
-                "system_fingerprint": self.fingerprint,
-            }
-            body["choices"] = [choice]
-            if req.include_usage:
-                body["usage"] = None
-            if extra:
-                body.update(extra)
-            return sse_data(body)
-
-        completion_tokens, finals = 0, [None] * req.choices
-        remaining = req.choices
-        timing_list = [None] * req.choices
+        writer = ChunkWriter(req, self.model_name, self.fingerprint, self.preparer.grammars.token_bytes)
+        choices = [StreamedChoice(req.tool_use) for _ in range(req.choices)]
         try:
             echoed = req.echo and req.top_logprobs is not None
             scored = await self._prompt_entries(req, prompt_ids) if echoed else None
             for index in range(req.choices):
                 if req.kind == "chat":
-                    yield chunk(index, role=True)
+                    yield writer.chunk(index, role=True)
                 elif req.echo:
                     entries = scored[index // req.n] if scored is not None else None
-                    yield chunk(index, text=self._prompt_text(req, index), entries=entries)
-            buffers = [{"text": [], "entries": []} for _ in range(req.choices)]
-            tool_streams = [ToolStream(req.tool_use) for _ in range(req.choices)] if req.tool_use else None
-            while remaining:
+                    yield writer.chunk(index, text=self._prompt_text(req, index), entries=entries)
+            while not all(choice.final for choice in choices):
                 events = await self._next_batch(queue)
                 if events is None:
                     yield ": keep-alive\n\n"
                     continue
                 for index, event in events:
-                    buffer = buffers[index]
-                    buffer["text"].append(
-                        event.text if tool_streams is None else tool_streams[index].add(event.text)
-                    )
-                    buffer["entries"].extend(event.logprobs or ())
-                    if event.finished:
-                        remaining -= 1
-                        completion_tokens += event.metrics["completion_tokens"] if event.metrics else 0
-                        finals[index] = event
-                        timing_list[index] = timings(event.metrics)
-                        reason = event.finish_reason
-                        if tool_streams is not None:
-                            rest, calls = tool_streams[index].finish()
-                            buffer["text"].append(rest)
-                            if calls and reason == "stop":
-                                if "".join(buffer["text"]) or buffer["entries"]:
-                                    yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
-                                    buffer = {"text": [], "entries": []}
-                                for delta in tool_call_deltas(calls):
-                                    yield chunk(index, calls=[delta])
-                                reason = "tool_calls"
-                        if "".join(buffer["text"]) or buffer["entries"]:
-                            yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
-                        if reason == "error":  # what went wrong, as an event (OpenAI clients raise it)
-                            yield sse_data(APIError(500, event.error, code="engine_error").body())
-                        yield chunk(index, None, reason)  # the finish: an empty delta, as OpenAI sends it
-                        buffers[index] = {"text": [], "entries": []}
-                for index, buffer in enumerate(buffers):
-                    if "".join(buffer["text"]) or buffer["entries"]:
-                        yield chunk(index, "".join(buffer["text"]), None, buffer["entries"])
-                        buffers[index] = {"text": [], "entries": []}
+                    for line in choices[index].add(index, event, writer):
+                        yield line
+                for index, choice in enumerate(choices):
+                    for line in choice.flush(index, writer):
+                        yield line
             if req.include_usage:
-                body = {
-                    "id": response_id,
-                    "object": kind,
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [],
-                    "usage": usage(finals[:: req.n], prompt_ids, completion_tokens),
-                    "system_fingerprint": self.fingerprint,
-                    "jinfer": {"seed": req.seed, "timings": timing_list},
-                }
-                yield sse_data(body)
+                yield writer.usage(choices, prompt_ids)
             yield "data: [DONE]\n\n"
         finally:  # client gone (generator closed) or done: cancel whatever still runs
             for request_id in request_ids:

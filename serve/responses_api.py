@@ -159,6 +159,72 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+class ResponseEvents:
+    """The numbered events of one streamed Response and the output items they build: a message
+    (opened by its first text) and function calls. `message_item(text, status)` and
+    `call_item(call, status)` make the items."""
+
+    def __init__(self, message_item, call_item):
+        self.message_item, self.call_item = message_item, call_item
+        self.sequence, self.output = 0, []
+        self.message, self.text = None, []
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _where(self) -> dict[str, Any]:
+        return {
+            "item_id": self.message["id"],
+            "output_index": self.output.index(self.message),
+            "content_index": 0,
+        }
+
+    def _open_message(self) -> list[str]:
+        self.message = self.message_item("", status="in_progress")
+        self.output.append(self.message)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.message),
+            self.event("response.content_part.added", **self._where(), part=part),
+        ]
+
+    def text_delta(self, delta: str) -> list[str]:
+        """The events of more text (the message opened first, if it is not yet)."""
+        if not delta:
+            return []
+        lines = self._open_message() if self.message is None else []
+        self.text.append(delta)
+        return [*lines, self.event("response.output_text.delta", **self._where(), delta=delta, logprobs=[])]
+
+    def finish(self, calls: list) -> list[str]:
+        """The events that close the message (opened empty if there is neither text nor a call)
+        and add each function call."""
+        lines = self._open_message() if self.message is None and not calls else []
+        if self.message is not None:
+            where = self._where()
+            part = {"type": "output_text", "text": "".join(self.text), "annotations": [], "logprobs": []}
+            self.message.update(status="completed", content=[part])
+            lines.append(self.event("response.output_text.done", **where, text=part["text"], logprobs=[]))
+            lines.append(self.event("response.content_part.done", **where, part=part))
+            index = where["output_index"]
+            lines.append(self.event("response.output_item.done", output_index=index, item=self.message))
+        for call in calls:
+            item = self.call_item(call, status="in_progress")
+            self.output.append(item)
+            index = len(self.output) - 1
+            where = {"item_id": item["id"], "output_index": index}
+            lines.append(self.event("response.output_item.added", output_index=index, item=item))
+            lines.append(self.event("response.function_call_arguments.delta", **where, delta=call.arguments))
+            lines.append(
+                self.event("response.function_call_arguments.done", **where, arguments=call.arguments)
+            )
+            item.update(arguments=call.arguments, status="completed")
+            lines.append(self.event("response.output_item.done", output_index=index, item=item))
+        return lines
+
+
 class ResponsesWriter:
     """The part of the API that writes Response objects and their events."""
 
@@ -245,34 +311,14 @@ class ResponsesWriter:
 
     async def _response_events(self, req, body, queue, request_ids):
         """The Response's typed events (`event:` and `data:` lines), created to completed."""
-        response_id, created, sequence = _new_id("resp"), now(), 0
-
-        def event(kind: str, **fields) -> str:
-            nonlocal sequence
-            data = {"type": kind, "sequence_number": sequence, **fields}
-            sequence += 1
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
+        stream = ResponseEvents(self._message_item, self._call_item)
+        response_id, created = _new_id("resp"), now()
         tool_stream = ToolStream(req.tool_use) if req.tool_use is not None else None
-        output: list[dict[str, Any]] = []
-        message, text, calls = None, [], []
-
-        def open_message():
-            nonlocal message
-            message = self._message_item("", status="in_progress")
-            output.append(message)
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            where = {"item_id": message["id"], "output_index": len(output) - 1, "content_index": 0}
-            return [
-                event("response.output_item.added", output_index=len(output) - 1, item=message),
-                event("response.content_part.added", **where, part=part),
-            ]
-
         try:
             start = self._response(req, body, response_id, created, "in_progress", [])
-            yield event("response.created", response=start)
-            yield event("response.in_progress", response=start)
-            final = None
+            yield stream.event("response.created", response=start)
+            yield stream.event("response.in_progress", response=start)
+            final, calls = None, []
             while final is None:
                 events = await self._next_batch(queue)
                 if events is None:
@@ -285,46 +331,16 @@ class ResponsesWriter:
                         if tool_stream is not None:
                             rest, calls = tool_stream.finish()
                             delta += rest
-                    if delta:
-                        if message is None:
-                            for line in open_message():
-                                yield line
-                        text.append(delta)
-                        yield event(
-                            "response.output_text.delta",
-                            item_id=message["id"],
-                            output_index=output.index(message),
-                            content_index=0,
-                            delta=delta,
-                            logprobs=[],
-                        )
-            calls = calls if final.finish_reason == "stop" else []
-            if message is None and not calls:
-                for line in open_message():
-                    yield line
-            if message is not None:
-                where = {"item_id": message["id"], "output_index": output.index(message), "content_index": 0}
-                part = {"type": "output_text", "text": "".join(text), "annotations": [], "logprobs": []}
-                message.update(status="completed", content=[part])
-                yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
-                yield event("response.content_part.done", **where, part=part)
-                yield event("response.output_item.done", output_index=where["output_index"], item=message)
-            for call in calls:
-                item = self._call_item(call, status="in_progress")
-                output.append(item)
-                index = len(output) - 1
-                yield event("response.output_item.added", output_index=index, item=item)
-                where = {"item_id": item["id"], "output_index": index}
-                yield event("response.function_call_arguments.delta", **where, delta=call.arguments)
-                yield event("response.function_call_arguments.done", **where, arguments=call.arguments)
-                item.update(arguments=call.arguments, status="completed")
-                yield event("response.output_item.done", output_index=index, item=item)
+                    for line in stream.text_delta(delta):
+                        yield line
+            for line in stream.finish(calls if final.finish_reason == "stop" else []):
+                yield line
             status = self._status(final)
-            done = self._response(req, body, response_id, created, status, output, final)
+            done = self._response(req, body, response_id, created, status, stream.output, final)
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 status, "response.failed"
             )
-            yield event(kind, response=done)
+            yield stream.event(kind, response=done)
         finally:
             for request_id in request_ids:
                 self.bridge.cancel(request_id)

@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
@@ -19,8 +20,8 @@ from test_server import _free_port
 import jinfer
 from jinfer.cluster import decode, encode
 from jinfer.config import EngineConfig
+from jinfer.inputs import DraftPlan, Program, neutral_inputs
 from jinfer.sampling import SamplingArrays, SamplingParams
-from jinfer.speculative import DraftPlan
 from jinfer.state import pack_chunk
 
 # The server's serving defaults, spelled out so that the in-process reference runs the same engine.
@@ -114,28 +115,36 @@ def _reference(model: str, mesh: tuple[int, int]) -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------------------------- messages
+def _assert_same_arrays(sent, got):
+    assert type(got) is type(sent)
+    for a, b in zip(jax.tree.leaves(sent), jax.tree.leaves(got), strict=True):
+        assert np.asarray(b).dtype == np.asarray(a).dtype
+        np.testing.assert_array_equal(b, a)
+
+
 def test_a_call_survives_its_message_bit_for_bit():
     knobs = SamplingArrays.from_params([SamplingParams(temperature=0.7, top_k=5).resolve()], [2**32 - 3])
-    chunk = pack_chunk(np.arange(16, dtype=np.int32), 1, 32, 9, True, 2, 3, {5: -1.5}, (7,), knobs, 100, True)
+    flags = {"slot": 1, "start": 32, "length": 9, "last": True, "generated": 2, "min_tokens": 3}
+    tokens = np.arange(16, dtype=np.int32)
+    chunk = pack_chunk(tokens, **flags, bias={5: -1.5}, stop_ids=(7,), sampling=knobs, vocab=100)
     allowed = np.full((2, 4), -1, np.int32)
     allowed[1, 2] = 12345
-    args = (np.int64(2), 64, allowed, np.array([1, 0], np.int32), np.array([False, True]), np.True_, chunk)
-    verb, back = decode(encode("mixed", args))
-    assert verb == "mixed" and {back[0]: "a key"}[2] == "a key" and back[1] == 64
-    np.testing.assert_array_equal(back[2], allowed)
-    for sent, got in zip(args[3:6], back[3:6], strict=True):
-        assert np.asarray(got).dtype == np.asarray(sent).dtype
-        np.testing.assert_array_equal(got, sent)
-    np.testing.assert_array_equal(back[6].ints, chunk.ints)
-    np.testing.assert_array_equal(back[6].floats, chunk.floats)
-    assert decode(encode("prefill", (None, chunk)))[1][0] is None
-    chances, costs = np.full((2, 6), 0.5, np.float32), np.ones(5, np.float32)
-    plan = DraftPlan(np.array([True, False]), chances, costs, np.int32(-1))
-    _, (back_plan,) = decode(encode("verify", (plan,)))
-    assert isinstance(back_plan, DraftPlan)
-    for sent, got in zip(plan, back_plan, strict=True):
-        assert np.asarray(got).dtype == np.asarray(sent).dtype
-        np.testing.assert_array_equal(got, sent)
+    inputs = neutral_inputs(3).replace(
+        steps=np.array([1, 0, 1], np.int32), deferred=np.array([False, True, False]), allowed=allowed
+    )
+    program = Program("mixed", 2, 64, chunk=16, feeds_draft=False)
+    verb, (back_program, back_inputs, back_chunk) = decode(encode("dispatch", (program, inputs, chunk)))
+    assert verb == "dispatch" and {back_program: "a key"}[program] == "a key"
+    assert back_inputs.plan is None and back_inputs.want_logprobs.shape == ()
+    _assert_same_arrays(inputs, back_inputs)
+    _assert_same_arrays(chunk, back_chunk)
+    assert decode(encode("dispatch", (program, inputs.replace(allowed=None), None)))[1][1].allowed is None
+    verifying = neutral_inputs(2, kinds=6, lengths=5, plan=True)
+    verifying = verifying.replace(plan=verifying.plan.replace(drafting=np.array([True, False])))
+    verify = Program("verify", 2, 64, drafts=8)
+    _, (_, back_verifying, _) = decode(encode("dispatch", (verify, verifying, None)))
+    assert isinstance(back_verifying.plan, DraftPlan)
+    _assert_same_arrays(verifying, back_verifying)
     assert decode(encode("reset", ())) == ("reset", ())
 
 

@@ -1,8 +1,10 @@
-"""The shape of the code, checked: every module says what it owns, none grows past ~450 lines,
-imports never form a cycle (function-level imports included), and the README stays a page."""
+"""The shape of the code, checked: every module says what it owns, every function fits on a page
+(a module that grows past ~500 lines is reported, to be split by what it owns), imports never form
+a cycle (function-level imports included), and the README stays a page."""
 
 import ast
 import pathlib
+import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = {"jinfer": ROOT / "jinfer", "jinfer_serve": ROOT / "serve"}
@@ -61,12 +63,49 @@ def test_no_import_cycles():
     assert cycles == []
 
 
-def test_every_module_has_a_docstring_and_stays_small():
+# A function's lines past its docstring, nested functions included: about a page.
+FUNCTION_LINES = 60
+# Tables written as code, read row by row rather than as a flow: each check is one line.
+LONG_TABLES = {
+    "jinfer.config.EngineConfig.__post_init__",  # one check per engine setting
+    "jinfer.sampling._validate",  # one check per sampling field
+}
+MODULE_LINES = 500  # past this a module is reported: split it by what it owns, never squeeze it
+
+
+def _function_sizes(tree: ast.Module, module: str):
+    """(qualified name, lines past the docstring) of every function in a module."""
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                yield from visit(child, f"{prefix}.{child.name}")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = child.end_lineno - child.lineno + 1
+                if ast.get_docstring(child) is not None:
+                    lines -= child.body[0].end_lineno - child.body[0].lineno + 1
+                yield f"{prefix}.{child.name}", lines
+                yield from visit(child, f"{prefix}.{child.name}")
+
+    yield from visit(tree, module)
+
+
+def test_every_module_says_what_it_owns_and_every_function_fits_on_a_page():
+    too_long, allowed_seen = [], set()
     for name, path in _modules().items():
         source = path.read_text()
+        tree = ast.parse(source)
         if source.strip():
-            assert ast.get_docstring(ast.parse(source)), f"{name} has no docstring saying what it owns"
-        assert len(source.splitlines()) <= 460, f"{name}: {len(source.splitlines())} lines"
+            assert ast.get_docstring(tree), f"{name} has no docstring saying what it owns"
+        if (lines := len(source.splitlines())) > MODULE_LINES:
+            warnings.warn(f"{name} has {lines} lines: split it by what it owns", stacklevel=1)
+        for function, lines in _function_sizes(tree, name):
+            if function in LONG_TABLES:
+                allowed_seen.add(function)
+            elif lines > FUNCTION_LINES:
+                too_long.append(f"{function}: {lines} lines")
+    assert too_long == []
+    assert allowed_seen == LONG_TABLES, "the allow-list names a function that no longer exists"
 
 
 def test_readme_is_a_page():

@@ -34,7 +34,7 @@ def _engine_forward(llm):
 
 
 def _prefilled(run, params, steps, prompts):
-    cache = steps.new_cache(jnp.float32)
+    cache = steps.new_cache(jnp.float32).target
     rows = len(prompts)
     tables_pages = 1 + rows * (SEQ // PAGE)
     assert steps.layout.num_pages >= tables_pages

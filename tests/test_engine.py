@@ -139,11 +139,14 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
     (seeded_alone,) = llm.generate([seeded_prompt], SEEDED)  # no one decoding: a prefill dispatch
     carried = []  # the prompt chunks that rode along decode steps
 
-    def counting(real):
-        return lambda *args: (carried.append(args[-1]), real(*args))[1]
+    dispatch = engine.device.dispatch
 
-    for key, real in list(engine.steps.mixed.items()):
-        monkeypatch.setitem(engine.steps.mixed, key, counting(real))
+    def counting(program, inputs, chunk=None):
+        if program.kind == "mixed":
+            carried.append(chunk)
+        return dispatch(program, inputs, chunk)
+
+    monkeypatch.setattr(engine.device, "dispatch", counting)
     first, near_end = _prompt(1, 10), _prompt(3, 97)
     outputs = {}
     sink = lambda name: lambda event: outputs.setdefault(name, []).extend(event.token_ids)
@@ -274,7 +277,8 @@ def test_nan_logits_end_only_that_request(tiny_model):
     healthy = [_prompt(s, 12) for s in range(3)]
     poison = 13
     engine = llm.engine
-    engine.device.params = engine.params.replace(embed=engine.params.embed.at[poison].set(np.nan))
+    poisoned_embed = engine.params.embed.at[poison].set(np.nan)
+    engine.device.weights = engine.device.weights.replace(target=engine.params.replace(embed=poisoned_embed))
     clean = [[t for t in p if t != poison] for p in healthy]
     alone = [o.token_ids for o in llm.generate(clean, GREEDY)]
     poisoned = [1, poison, *clean[0] * 3]  # NaN K/V reach past where a short prompt would overwrite them
@@ -290,17 +294,15 @@ def test_device_failure_fails_touched_requests_and_engine_keeps_serving(llm, mon
     engine = llm.engine
     calls = {"n": 0}
 
-    def failing_on_second_call(real):
-        def call(*args):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise RuntimeError("simulated device fault")
-            return real(*args)
+    dispatch = engine.device.dispatch
 
-        return call
+    def failing_on_second_decode(program, inputs, chunk=None):
+        calls["n"] += program.kind == "decode"
+        if program.kind == "decode" and calls["n"] == 2:
+            raise RuntimeError("simulated device fault")
+        return dispatch(program, inputs, chunk)
 
-    for key, real in list(engine.steps.decode.items()):
-        monkeypatch.setitem(engine.steps.decode, key, failing_on_second_call(real))
+    monkeypatch.setattr(engine.device, "dispatch", failing_on_second_decode)
     first = llm.generate([_prompt(1, 8), _prompt(2, 8)], GREEDY)
     assert [r.finish_reason for r in first] == ["error", "error"]
     assert "simulated device fault" in first[0].error
@@ -414,11 +416,13 @@ def test_cpu_attention_kernel_gives_the_einsum_tokens(tiny_model):
 
 
 def test_no_decode_dispatch_computes_only_tokens_past_max_tokens(llm, monkeypatch):
-    calls = []
-    for key, real in list(llm.engine.steps.decode.items()):
-        monkeypatch.setitem(
-            llm.engine.steps.decode, key, lambda *args, real=real: (calls.append(1), real(*args))[1]
-        )
+    calls, dispatch = [], llm.engine.device.dispatch
+
+    def counting(program, inputs, chunk=None):
+        calls.extend([program] if program.kind == "decode" else [])
+        return dispatch(program, inputs, chunk)
+
+    monkeypatch.setattr(llm.engine.device, "dispatch", counting)
     steps = llm.engine.layout.decode_steps
     prompt = _prompt(5, 12)
     for max_tokens in (1, 2, steps + 1, 16):

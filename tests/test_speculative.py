@@ -350,11 +350,13 @@ def test_a_crowd_where_verifying_cannot_pay_runs_without_the_draft(pair, specula
     compiled = on.engine.compile_count()
     monkeypatch.setattr(policy, "cost", {key: 100.0 if key[0] == 4 else 1.1 for key in policy.cost})
     fed = {"prefill": [], "decode": []}
-    for verb, calls in fed.items():
-        call = getattr(device, verb)
-        monkeypatch.setattr(
-            device, verb, lambda *args, call=call, calls=calls: calls.append(args[-1]) or call(*args)
-        )
+    dispatch = device.dispatch
+
+    def feeding(program, inputs, chunk=None):
+        fed.get(program.kind, []).append(program.feeds_draft)
+        return dispatch(program, inputs, chunk)
+
+    monkeypatch.setattr(device, "dispatch", feeding)
     crowd = [_cotenant(seed) for seed in range(5)] + [(_repeating(9, 30), GREEDY)] * 2
     prompts, samplings = (list(column) for column in zip(*crowd, strict=True))
     assert [r.token_ids for r in on.generate(prompts, samplings)] == [

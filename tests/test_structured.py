@@ -195,23 +195,18 @@ def test_each_constrained_token_is_sampled_while_the_next_decode_is_already_queu
     engine = smollm2_llm.engine
     log = []
 
-    def recording(kind, real, out_index):
-        def call(*args):
-            result = real(*args)
-            log.append((kind, result[out_index]))  # kept alive: compared by identity
-            return result
+    dispatch = engine.device.dispatch
 
-        return call
+    def recording(program, inputs, chunk=None):
+        out = dispatch(program, inputs, chunk)
+        if program.kind in ("sample", "decode"):
+            log.append((program.kind, out.rows))  # kept alive: compared by identity
+        return out
 
-    monkeypatch.setattr(engine.steps, "sample", recording("sample", engine.steps.sample, 1))
-    for key, real in list(engine.steps.decode.items()):
-        monkeypatch.setitem(engine.steps.decode, key, recording("decode", real, 2))
+    monkeypatch.setattr(engine.device, "dispatch", recording)
     commit = engine._commit
-    monkeypatch.setattr(
-        engine,
-        "_commit",
-        lambda owners, out, verified: (log.append(("read", out)), commit(owners, out, verified)),
-    )
+    reading = lambda pending: (log.append(("read", pending.out)), commit(pending))
+    monkeypatch.setattr(engine, "_commit", reading)
     samples_before = engine.dispatch_counts.sample_dispatches
     tokens = 30
     held = SamplingParams(temperature=0, regex="[a-z ]{400}", max_tokens=tokens, ignore_eos=True)

@@ -70,6 +70,19 @@ def save_checkpoint(directory: str, loaded: LoadedModel) -> None:
         json.dump(meta, f, indent=1)
 
 
+def _read_meta(directory: str) -> dict:
+    """The checkpoint's metadata, once its format version is one this jinfer reads."""
+    with open(os.path.join(directory, CHECKPOINT_MARKER), encoding="utf-8") as f:
+        meta = json.load(f)
+    version = meta.get("version")
+    if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{directory}: checkpoint format version {version!r}; this jinfer reads versions 1 to "
+            f"{CHECKPOINT_VERSION}: {_CONVERT_AGAIN}"
+        )
+    return meta
+
+
 def load_checkpoint(
     directory: str,
     dtype=jnp.float32,
@@ -84,15 +97,8 @@ def load_checkpoint(
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
-    with open(os.path.join(directory, CHECKPOINT_MARKER), encoding="utf-8") as f:
-        meta = json.load(f)
-    version = meta.get("version")
-    if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
-        raise CheckpointError(
-            f"{directory}: checkpoint format version {version!r}; this jinfer reads versions 1 to "
-            f"{CHECKPOINT_VERSION}: {_CONVERT_AGAIN}"
-        )
-    cfg = ModelConfig.from_dict(meta["model"])
+    meta = _read_meta(directory)
+    version, cfg = meta["version"], ModelConfig.from_dict(meta["model"])
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, param_specs(cfg), is_leaf=is_spec)

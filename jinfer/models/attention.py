@@ -146,6 +146,13 @@ class TokenGroup(NamedTuple):
     valid: jax.Array | None = None
     tables: jax.Array | None = None
 
+    @classmethod
+    def of_rows(cls, tokens: jax.Array, first: jax.Array, active: jax.Array | None = None) -> TokenGroup:
+        """Slots 0..B-1, each feeding its tokens [B, T] at positions first [B] onward (a decode
+        step's last tokens, a verify step's last token and drafts, a draft model's pass)."""
+        offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        return cls(tokens, first[:, None] + offsets, active=active)
+
     @property
     def columns(self) -> int:
         return self.tokens.shape[0] * self.tokens.shape[1]
