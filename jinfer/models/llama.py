@@ -102,12 +102,18 @@ def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
     return x
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0, divide: bool = False) -> jax.Array:
     """RMSNorm of x over `axis` (features; axis 0 for decoder columns [D, N]), scaled by weight.
-    Each column's bits do not depend on the other columns (`fixed_order_sum`)."""
+    Each column's bits do not depend on the other columns (`fixed_order_sum`). `divide`: by a
+    square root both correctly rounded, where XLA:CPU would fuse rsqrt into code whose shape
+    depends on the step's token count (the q/k norms, fused into the cache write: on an AVX2 CPU a
+    one-token step's scalar rsqrt gave other bits than a longer step's vector code)."""
     xf = x.astype(jnp.float32)
     mean_square = fixed_order_sum(xf * xf, axis) / x.shape[axis]
-    xf = xf * jax.lax.rsqrt(mean_square + eps)
+    if divide:  # the barrier keeps XLA from rewriting x / sqrt(y) as x * rsqrt(y)
+        xf = xf / jax.lax.optimization_barrier(jnp.sqrt(mean_square + eps))
+    else:
+        xf = xf * jax.lax.rsqrt(mean_square + eps)
     shape = [1] * x.ndim
     shape[axis] = -1
     return weight.reshape(shape) * xf.astype(x.dtype)
@@ -160,8 +166,8 @@ def _attention_block(
         qkv = qkv + p.bqkv[..., None]
     q, k, v = qkv[:, :groups_per_kv], qkv[:, groups_per_kv], qkv[:, groups_per_kv + 1]
     if cfg.qk_norm:
-        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, axis=-2)
-        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, axis=-2)
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, axis=-2, divide=True)
+        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, axis=-2, divide=True)
     kv_heads, h = k.shape[0], k.shape[1]
 
     # Heads-major columns to attention's [B, K, (G,) T, H]: small transposes of this step's tokens,
