@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import jax
 
 from jinfer.config import EngineConfig
 from jinfer.device import Device
 from jinfer.draft import draft_weights
+from jinfer.inputs import RowProcessor
 from jinfer.kv_cache import bytes_per_token
 from jinfer.layout import Layout, available_memory_bytes, param_bytes, resolve_layout
 from jinfer.loading import LoadedModel, engine_weights
@@ -49,8 +51,11 @@ class EngineParts:
     cache_bytes: int  # the KV pool's size
 
 
-def assemble(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
-    """The parts of an engine serving `loaded` as `config` asks (see the module docstring)."""
+def assemble(
+    loaded: LoadedModel, config: EngineConfig, processors: Sequence[RowProcessor] = ()
+) -> EngineParts:
+    """The parts of an engine serving `loaded` as `config` asks (see the module docstring), its
+    sampling steps applying `processors`."""
     mesh, dtype = make_mesh(config.mesh_data, config.mesh_model), DTYPES[config.dtype]
     padded_cfg, params = engine_weights(loaded, config, mesh, dtype)
     draft_cfg, draft_params = draft_weights(config, loaded, mesh, dtype)
@@ -70,7 +75,7 @@ def assemble(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         params, draft_params = (cfg and llama.pack_weights(p, cfg) for cfg, p in models)
     carried = Weights(params, draft_params)
     shardings = jax.tree.map(lambda a: a.sharding, carried)
-    steps = build_steps(padded_cfg, layout, mesh, shardings, loaded.config.vocab_size, draft_cfg)
+    steps = build_steps(padded_cfg, layout, mesh, shardings, loaded.config.vocab_size, draft_cfg, processors)
     kv = KVPages(
         layout.num_pages, layout.page_size, layout.max_slots, layout.max_pages, layout.prefix_caching
     )

@@ -98,13 +98,15 @@ class ClusterFailure(RuntimeError):
 # ------------------------------------------------------------------------------- messages
 def encode(verb: str, args: tuple) -> bytes:
     """One call as bytes: a JSON header (the verb, then each argument's description) and the
-    arrays' raw bytes. An argument is None, a `Program`, one of `STRUCTS` (described field by
-    field) or a numpy array or scalar."""
+    arrays' raw bytes. An argument is None, a `Program`, one of `STRUCTS` or a dict (described
+    field by field, entry by entry) or a numpy array or scalar."""
     blobs = []
 
     def describe(arg):
         if arg is None:
             return None
+        if isinstance(arg, dict):
+            return ["dict", {key: describe(value) for key, value in arg.items()}]
         if isinstance(arg, Program):
             return ["program", list(arg)]
         if type(arg) in STRUCTS.values():
@@ -128,6 +130,8 @@ def decode(message: bytes) -> tuple[str, tuple]:
         nonlocal at
         if entry is None:
             return None
+        if entry[0] == "dict":
+            return {key: rebuild(value) for key, value in entry[1].items()}
         if entry[0] == "program":
             return Program(*entry[1])
         if entry[0] == "struct":

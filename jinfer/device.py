@@ -13,13 +13,13 @@ call (the engine's loop and a server scoring a text).
 
 An input's `allowed` bitmask is None when no row is constrained: the device passes its resident
 all-bits-set mask instead of uploading one. `warm_up` dispatches every program once;
-`verify_cost` times verify against decode steps (through `dispatch`, so followers replay them too).
+`idle_inputs` are a program's inputs with no row busy (warm-up; timing verify steps,
+`speculative.measure_verify_costs`).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -129,7 +129,7 @@ class Device:
         """Compile every program (`Steps.programs`) and the small verbs. The caller sets block
         tables that map nowhere first: the warm-up chunks write."""
         for program in self.steps.programs:
-            out = self.dispatch(program, self._idle_inputs(program), self._idle_chunk(program.chunk))
+            out = self.dispatch(program, self.idle_inputs(program), self._idle_chunk(program.chunk))
         self.history(pack_history(0, [], 0, self.steps.layout.max_seq_len))
         self.clear_pages(self.page_list([]))
         jax.block_until_ready((out, self.cache, self.state))
@@ -143,54 +143,22 @@ class Device:
         flags = {"slot": 0, "start": 0, "length": 1, "last": True, "generated": 0, "min_tokens": 0}
         return pack_chunk(tokens, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=vocab)
 
-    def _idle_inputs(self, program: Program, force: int = -1, busy: int = 0) -> RowInputs:
+    def idle_inputs(self, program: Program, force: int = -1, busy: int = 0) -> RowInputs:
         """A program's inputs with no row busy (`busy`: every row `busy` steps); a verify program's
         plan has every row drafting, made to take the length of index `force` (-1: its choice)."""
         layout = self.steps.layout
         rows = program.rows + (program.kind == "mixed")
         if program.kind != "verify":
-            return neutral_inputs(rows).replace(steps=np.full(rows, busy, np.int32))
+            return neutral_inputs(rows, processors=self.steps.processors).replace(
+                steps=np.full(rows, busy, np.int32)
+            )
         kinds = len(DRAFT_SOURCES[layout.speculative].priors)
         lengths = len(program_lengths(layout.speculative, layout.verify_variants, program.drafts))
-        inputs = neutral_inputs(rows, kinds=kinds, lengths=lengths, plan=True)
+        inputs = neutral_inputs(
+            rows, kinds=kinds, lengths=lengths, plan=True, processors=self.steps.processors
+        )
         plan = inputs.plan.replace(drafting=np.ones(rows, bool), force=np.int32(force))
         return inputs.replace(steps=np.full(rows, busy, np.int32), plan=plan)
-
-    def verify_cost(self, rounds: int = 7) -> dict[tuple[int, int], float]:
-        """Per (slot bucket, draft tokens) verify variant, its step's time over a decode step's
-        that feeds no draft model (the engine's step without speculation), every row busy, at the
-        smallest attention bucket, the program made to take that length. Each round times a
-        decode dispatch and then each length's in turn, so a slow spell of the machine slows both
-        sides of a ratio; a length's cost is its median ratio over the rounds, at least a shorter
-        length's and at least 1 (a verify step does a decode step's work and more: a cost measured
-        below it would make drafts that are never accepted look free). The caller sets block
-        tables that map nowhere first (the busy rows write) and runs it with no request in a slot
-        (their state is left for the next prefill to set)."""
-        layout, costs = self.steps.layout, {}
-        attn_len, busy = layout.attention_buckets[0], layout.decode_steps
-
-        def seconds(program, inputs):
-            start = time.perf_counter()
-            jax.block_until_ready(self.dispatch(program, inputs).rows.tokens)
-            return time.perf_counter() - start
-
-        for program in self.steps.of_kind("verify"):
-            if program.attn_len != attn_len:
-                continue
-            rows, k = program.rows, program.drafts
-            decode = Program("decode", rows, attn_len, feeds_draft=self.steps.draft_model is None)
-            lengths = program_lengths(layout.speculative, layout.verify_variants, k)
-            forced = {n: self._idle_inputs(program, index, busy) for index, n in enumerate(lengths) if n}
-            ratios = {n: [] for n in forced}
-            for _ in range(rounds):
-                plain = seconds(decode, self._idle_inputs(decode, busy=busy))
-                for n, inputs in forced.items():
-                    ratios[n].append(seconds(program, inputs) / plain)
-            costs.update({(rows, n): float(np.median(r)) for n, r in ratios.items()})
-        for rows, n in sorted(costs):  # shorter lengths first
-            shorter = [costs[rows, m] for m in range(n) if (rows, m) in costs]
-            costs[rows, n] = max(costs[rows, n], 1.0, *shorter)
-        return costs
 
     def consumed(self) -> bool:
         """Whether a failed call took the donated cache or state with it."""

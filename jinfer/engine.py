@@ -21,11 +21,10 @@ keeps serving. In a cluster it fails the engine instead (`fail_all`): a process 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -33,7 +32,7 @@ import numpy as np
 from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
 from jinfer.config import EngineConfig, dispatch_steps
-from jinfer.inputs import Program, RowInputs, neutral_inputs
+from jinfer.inputs import Program, RowInputs, RowProcessor, row_inputs
 from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
 from jinfer.paging import SINK_PAGE, SequencePages
@@ -42,7 +41,7 @@ from jinfer.request import PrefillWork, Request, RequestOutput, deliver
 from jinfer.sampling import StepOutput
 from jinfer.scheduler import Plan, QueueFullError
 from jinfer.scoring import Scorer
-from jinfer.speculative import may_draft
+from jinfer.speculative import may_draft, measure_verify_costs
 from jinfer.state import pack_history
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
@@ -68,9 +67,13 @@ class EngineUnavailable(RuntimeError):
 class Engine:
     """Continuous batching over `max_slots` fixed slots of one preallocated KV cache."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig | None = None, processors: Sequence[RowProcessor] = ()
+    ):
+        """`processors`: logits processors every sampling step applies, each with its input per
+        row (`jinfer.inputs.RowProcessor`)."""
         self.config = config = config or EngineConfig()  # as asked; self.layout is what runs
-        parts = assemble(loaded, config)
+        parts = assemble(loaded, config, processors)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.mesh, self.dtype, self.layout, self.steps = parts.mesh, parts.dtype, parts.layout, parts.steps
@@ -106,7 +109,7 @@ class Engine:
         self.device.set_tables(np.full_like(self.kv.tables, SINK_PAGE))
         self.device.warm_up()
         if self.speculation is not None:
-            self.speculation.cost = self.device.verify_cost()
+            self.speculation.cost = measure_verify_costs(self.device)
         self.device.set_tables(self.kv.tables.copy())
         return time.perf_counter() - start
 
@@ -166,7 +169,7 @@ class Engine:
             sampling=sampling,
             max_tokens=prepared.max_tokens,
             stop_ids=prepared.stop_ids,
-            seed=sampling.seed if sampling.seed is not None else secrets.randbits(32),
+            seed=sampling.seed,
             sink=sink,
             # With tools, special tokens stay in the text: some conventions mark calls with one.
             stream=TextStream(
@@ -277,7 +280,7 @@ class Engine:
         size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
         request = work.request
         wants = np.bool_(request.sampling.logprobs is not None)
-        inputs = neutral_inputs(1).replace(steps=np.ones(1, np.int32), want_logprobs=wants, allowed=allowed)
+        inputs = self._inputs([request], steps=np.ones(1, np.int32), want_logprobs=wants, allowed=allowed)
         try:
             self._set_history(work)
             feeds = request.speculative and self._feeds_draft()  # else its draft cache stays unfed
@@ -331,18 +334,23 @@ class Engine:
 
     def _decode_inputs(self, owners: list, steps: int, fused: PrefillWork | None, allowed) -> RowInputs:
         """The inputs of a decode dispatch over `owners`' rows (and a carried chunk's row)."""
-        rows = len(owners) + (fused is not None)
         row_steps = [0 if r is None else r.dispatch_tokens(steps) for r in owners]
         deferred = [r is not None and r.constraint is not None for r in owners]
         sampled = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
         if fused is not None:
             row_steps, deferred, sampled = [*row_steps, 1], [*deferred, False], [*sampled, fused.request]
-        return neutral_inputs(rows).replace(
+            owners = [*owners, fused.request]
+        return self._inputs(
+            owners,
             steps=np.array(row_steps, np.int32),
             deferred=np.array(deferred),
             want_logprobs=np.bool_(any(r.sampling.logprobs is not None for r in sampled)),
             allowed=allowed,
         )
+
+    def _inputs(self, owners: list, **fields) -> RowInputs:
+        """A dispatch's inputs, a row per owner (`jinfer.inputs.row_inputs`)."""
+        return row_inputs(owners, self.steps.processors, **fields)
 
     def _attention_length(self, owners: list, fused: PrefillWork | None) -> int:
         """The attention bucket of a decode dispatch. The device may be one dispatch ahead of what
@@ -371,11 +379,8 @@ class Engine:
         want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in owners if r is not None))
         try:
             allowed = allowed_bitmask(owners, self.layout.max_slots, self.steps.vocab_size)
-            inputs = neutral_inputs(len(owners)).replace(
-                deferred=np.array([r is not None for r in owners]),
-                want_logprobs=want_logprobs,
-                allowed=allowed,
-            )
+            deferred = np.array([r is not None for r in owners])
+            inputs = self._inputs(owners, deferred=deferred, want_logprobs=want_logprobs, allowed=allowed)
             out = self.device.dispatch(Program("sample", len(owners)), inputs)
         except Exception as e:
             self._recover([r for r in owners if r is not None], e)

@@ -15,6 +15,10 @@ carries (prefill: the chunk's row alone; a mixed dispatch: rows + 1). A new per-
 adapter index, a steering row, a processor's parameters) is one field here plus its use in the
 steps; rows that do not use it get its neutral value.
 
+Per-row inputs of the engine's own features are fields here. A logits processor the engine is
+built with (`RowProcessor`: `LLM(logits_processors=...)`) declares its input the same way, and its
+values travel in `RowInputs.processors`, filled from each row's request (`row_inputs`).
+
 `Program` names one compiled variant (kind and bucket sizes): `Steps.programs` is the one table of
 them that warm-up, the engine, tests and scripts go by. `DispatchOutput` is what every program
 returns (its parts None where the kind has none).
@@ -22,6 +26,7 @@ returns (its parts None where the kind has none).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -34,11 +39,26 @@ from jinfer.sharding import DATA
 
 
 class InputSpec(NamedTuple):
-    """Declaration of one input array: the axes it spans, its dtype, the value of an unused row."""
+    """Declaration of one input array: the axes it spans (names, or fixed sizes), its dtype, the
+    value of an unused row."""
 
-    axes: tuple[str, ...]
+    axes: tuple[str | int, ...]
     dtype: Any
     neutral: Any
+
+
+class RowProcessor(NamedTuple):
+    """A logits processor with an input per row, registered when the engine is built: its
+    declaration (`spec`, axes beginning with "rows"), where a row's value comes from (`of_request`:
+    a request -> its value, e.g. from `SamplingParams.extra_args`; rows without a request get the
+    neutral value) and its one use (`apply`: logits [N, V], values [N, ...] -> logits [N, V], a
+    pure JAX function applied in `sampling.process` after the logit bias, in every step that
+    samples). Rows that leave it neutral must come out unchanged."""
+
+    name: str
+    spec: InputSpec
+    of_request: Callable[[Any], Any]
+    apply: Callable[[Any, Any], Any]
 
 
 @struct.dataclass
@@ -60,10 +80,15 @@ class RowInputs:
     want_logprobs: Any  # [] bool: some sampled row asks for log-probs
     allowed: Any  # [slots, W] int32 allowed-token bitmask by slot, or None: no row constrained
     plan: DraftPlan | None = None  # a verify dispatch's draft plan
+    processors: Any = None  # {name: [rows, ...]}: each registered RowProcessor's input
 
     @property
     def rows(self) -> int:
         return len(self.steps)
+
+    def processing(self, processors: Sequence[RowProcessor], rows: slice = slice(None)) -> tuple:
+        """(function, the rows' values) of each registered processor, for `sampling.process`."""
+        return tuple((p.apply, self.processors[p.name][rows]) for p in processors)
 
 
 INPUTS = RowInputs(
@@ -85,28 +110,48 @@ def _is_spec(x) -> bool:
     return isinstance(x, InputSpec)
 
 
-def _declared(plan: bool) -> RowInputs:
-    return INPUTS if plan else INPUTS.replace(plan=None)
+def _declared(plan: bool, processors: Sequence[RowProcessor]) -> RowInputs:
+    return INPUTS.replace(plan=INPUTS.plan if plan else None, processors={p.name: p.spec for p in processors})
 
 
-def input_shardings(mesh: Mesh, *, plan: bool) -> RowInputs:
+def input_shardings(mesh: Mesh, *, plan: bool, processors: Sequence[RowProcessor] = ()) -> RowInputs:
     """Slot-indexed fields over the data axis; every other field whole on every device."""
     by_slot, whole = PartitionSpec(DATA), PartitionSpec()
     place = lambda s: NamedSharding(mesh, by_slot if s.axes[:1] == ("slots",) else whole)
-    return jax.tree.map(place, _declared(plan), is_leaf=_is_spec)
+    return jax.tree.map(place, _declared(plan, processors), is_leaf=_is_spec)
 
 
-def neutral_inputs(rows: int, *, kinds: int = 0, lengths: int = 0, plan: bool = False) -> RowInputs:
+def _array(spec: InputSpec, size: dict) -> np.ndarray:
+    shape = tuple(a if isinstance(a, int) else size[a] for a in spec.axes)
+    return np.full(shape, spec.neutral, spec.dtype)
+
+
+def neutral_inputs(
+    rows: int,
+    *,
+    kinds: int = 0,
+    lengths: int = 0,
+    plan: bool = False,
+    processors: Sequence[RowProcessor] = (),
+) -> RowInputs:
     """Inputs of `rows` rows that use nothing (numpy); with `plan`, a draft plan of `kinds` kinds
     and `lengths` draft lengths in which no row drafts."""
     size = {"rows": rows, "kinds": kinds, "lengths": lengths}
+    make = lambda spec: None if spec.neutral is None else _array(spec, size)
+    return jax.tree.map(make, _declared(plan, processors), is_leaf=_is_spec)
 
-    def make(spec: InputSpec):
-        if spec.neutral is None:
-            return None
-        return np.full(tuple(size[a] for a in spec.axes), spec.neutral, spec.dtype)
 
-    return jax.tree.map(make, _declared(plan), is_leaf=_is_spec)
+def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -> RowInputs:
+    """The inputs of a dispatch of one row per owner (a request, or None for a row without one):
+    the dispatch's own `fields` as given, each registered processor's values from its rows'
+    requests (`RowProcessor.of_request`), everything else neutral."""
+    inputs = neutral_inputs(len(owners), processors=processors)
+    for processor in processors:
+        values = inputs.processors[processor.name]
+        for row, request in enumerate(owners):
+            if request is not None:
+                values[row] = processor.of_request(request)
+    return inputs.replace(**fields)
 
 
 class Program(NamedTuple):

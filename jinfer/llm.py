@@ -18,12 +18,13 @@ import numpy as np
 from jinfer.cluster import join_cluster
 from jinfer.config import EngineConfig
 from jinfer.engine import Engine
+from jinfer.inputs import RowProcessor
 from jinfer.loading import default_model_path, load_model, placement_for
 from jinfer.models import llama
 from jinfer.prepare import PreparedRequest
 from jinfer.request import RequestOutput
 from jinfer.sampling import SamplingParams
-from jinfer.tools import ToolCall
+from jinfer.tools import ToolCall, finish_output
 
 
 @dataclasses.dataclass
@@ -73,8 +74,15 @@ class _Collector:
 class LLM:
     """Load a model, build an engine, and run offline generation, chat and scoring."""
 
-    def __init__(self, model: str | os.PathLike | None = None, **engine_options):
-        """`engine_options` are EngineConfig fields (max_slots, max_seq_len, dtype, mesh_data, ...).
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        logits_processors: Sequence[RowProcessor] = (),
+        **engine_options,
+    ):
+        """`engine_options` are EngineConfig fields (max_slots, max_seq_len, dtype, mesh_data, ...);
+        `logits_processors` are applied in every sampling step, each with its input per request
+        (`jinfer.inputs.RowProcessor`, reading `SamplingParams.extra_args`).
 
         With `coordinator`, `num_processes` and `process_id` (or JAX's environment variables) every
         process of a cluster runs the same script (`jinfer.cluster`): on process 0 this returns and
@@ -89,7 +97,7 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.engine = Engine(loaded, config)
+        self.engine = Engine(loaded, config, logits_processors)
         if member is not None and not member.leader:
             raise SystemExit(self.engine.follow())
         self.preparer = self.engine.preparer
@@ -176,10 +184,11 @@ class LLM:
                 if collector.final is not None:
                     completion = collector.completion(request.prompt_ids)
                     completion.metrics["dropped_messages"] = prepared.dropped_messages
-                    parsed = prepared.tools.parse(completion.text) if prepared.tools else None
-                    if parsed is not None and completion.finish_reason == "stop":
-                        completion.text, completion.tool_calls = parsed
-                        completion.finish_reason = "tool_calls"
+                    text, calls, reason = finish_output(
+                        prepared.tools, completion.text, completion.finish_reason
+                    )
+                    if calls:
+                        completion.text, completion.tool_calls, completion.finish_reason = text, calls, reason
                     yield collector.index, completion
                 else:
                     still.append((request, collector, prepared))

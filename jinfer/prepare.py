@@ -21,6 +21,7 @@ invalid reaches the device. Context policies:
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,7 +59,7 @@ class PreparedRequest:
     """A request the engine can run as it is."""
 
     prompt_ids: list[int]
-    sampling: SamplingParams  # resolved: every knob set
+    sampling: SamplingParams  # resolved: every knob set, the seed too
     max_tokens: int  # never past the context window
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     dropped_prompt_tokens: int = 0  # context_policy="truncate"
@@ -228,6 +229,8 @@ class RequestPreparer:
                 "cache_salt must be a non-empty string of at most 1024 characters", "cache_salt"
             )
         sampling = self.sampling(sampling)
+        if sampling.seed is None:  # decided here, for every door: reported back, it reproduces the output
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         offered, use, sampling = self._tools(messages, tools, tool_choice, parallel_tool_calls, sampling)
         policy = self.policy(context_policy)
         dropped_messages = 0

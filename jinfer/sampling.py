@@ -5,11 +5,13 @@ so one compiled step serves any mix of settings. Per-request randomness comes fr
 seed folded with the token position: a row's draw never depends on its neighbours or its row.
 
     logits [B, V] -> penalties (repetition / presence / frequency) -> + logit_bias
-        -> constrained rows: -inf outside the allowed tokens
+        -> the engine's registered processors (`jinfer.inputs.RowProcessor`), with each row's input
+        -> rows short of min_tokens: -inf for stop tokens -> constrained rows: -inf outside the allowed tokens
         -> greedy rows: argmax | sampled rows: / temperature -> top-k -> top-p -> min-p -> categorical
 
-`choose` runs that chain for the steps (`jinfer.steps`) and gives what leaves the device per step
-(`StepOutput`: tokens, a non-finite flag, and log-probs when some row asks for them).
+`process` is that chain, the one every step that samples goes through (prefill, decode, `sample`,
+a verify step's later positions); `choose` runs it and picks, giving what leaves the device per
+step (`StepOutput`: tokens, a non-finite flag, and log-probs when some row asks for them).
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None
     regex: str | None = None
     grammar: str | None = None
+    # Arguments for the engine's registered processors (`jinfer.inputs.RowProcessor.of_request`
+    # reads its own), as vLLM's extra_args: a mapping of names to JSON-like values.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
         _validate(self)
@@ -158,6 +163,10 @@ def _validate(p: SamplingParams) -> None:
             raise RequestError(f"stop must be non-empty strings, got {_short(p.stop)}", "stop")
         object.__setattr__(p, "stop", tuple(p.stop))
     _validate_constraint(p)
+    if p.extra_args is not None and (
+        not isinstance(p.extra_args, Mapping) or not all(isinstance(k, str) for k in p.extra_args)
+    ):
+        raise RequestError("extra_args must map names to values", "extra_args")
     if p.stop_token_ids is not None:
         if not isinstance(p.stop_token_ids, Sequence) or isinstance(p.stop_token_ids, str):
             raise RequestError("stop_token_ids must be a list of token ids", "stop_token_ids")
@@ -348,13 +357,18 @@ class StepOutput:
 
 
 @jax.named_scope("sampling")
-def process(logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling) -> jax.Array:
+def process(
+    logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors=()
+) -> jax.Array:
     """The one logits-processing chain, from raw logits [B, V] (or [B, T, V]: T positions of each
     row, a verify step's) to what `sample` draws from: penalties (prompt_mask, counts [B, V]),
-    logit bias [B, V], stop tokens (stop_mask [B, V]) banned where `banning` [B] (or [B, T]: short
-    of min_tokens), and the allowed-token bitmask (allowed [B, W], `jinfer.structured`; None:
-    every row unconstrained). Every step that samples goes through it."""
+    logit bias [B, V], the registered processors ((function, each row's input [B, ...]) pairs,
+    `jinfer.inputs.RowProcessor`), stop tokens (stop_mask [B, V]) banned where `banning` [B] (or
+    [B, T]: short of min_tokens), and the allowed-token bitmask (allowed [B, W],
+    `jinfer.structured`; None: every row unconstrained). Every step that samples goes through it."""
     processed = apply_penalties(logits, prompt_mask, counts, sampling) + _per_row(bias, logits)
+    for function, values in processors:
+        processed = _each_position(function, processed, values)
     processed = jax.lax.cond(
         jnp.any(banning),
         lambda: jnp.where(_per_row(stop_mask, logits) & banning[..., None], -jnp.inf, processed),
@@ -363,13 +377,32 @@ def process(logits, prompt_mask, counts, bias, stop_mask, banning, allowed, samp
     return processed if allowed is None else mask_disallowed(processed, allowed)
 
 
+def _each_position(function, logits: jax.Array, values: jax.Array) -> jax.Array:
+    """A processor over logits [B, V], or over each of T positions of logits [B, T, V]."""
+    if logits.ndim == 2:
+        return function(logits, values)
+    rows, positions, vocab = logits.shape
+    flat = function(logits.reshape(rows * positions, vocab), jnp.repeat(values, positions, axis=0))
+    return flat.reshape(rows, positions, vocab)
+
+
 def choose(
-    logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, positions, want_logprobs
+    logits,
+    prompt_mask,
+    counts,
+    bias,
+    stop_mask,
+    banning,
+    allowed,
+    sampling,
+    positions,
+    want_logprobs,
+    processors=(),
 ):
     """Process raw logits [B, V] (`process`) and pick one token per row (`pick`). Log-probs are of
     the raw distribution."""
-    processed = process(logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling)
-    return pick(logits, processed, sampling, positions, want_logprobs)
+    knobs = (prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors)
+    return pick(logits, process(logits, *knobs), sampling, positions, want_logprobs)
 
 
 def pick(logits, processed, sampling, positions, want_logprobs):

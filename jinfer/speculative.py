@@ -44,6 +44,7 @@ length could pay even for the rows' best drafts.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.draft import model_drafts, run_model
-from jinfer.inputs import DispatchOutput, DraftPlan
+from jinfer.inputs import DispatchOutput, DraftPlan, Program
 from jinfer.models import llama
 from jinfer.sampling import pick, process
 from jinfer.state import SlotState, advance_rows, sample_rows, scan_rows
@@ -165,7 +166,7 @@ def best_length(lengths, costs, chances, kind, real, counted) -> jax.Array:
     return jnp.argmax(expected / costs)
 
 
-def _later_positions(state: SlotState, logits: jax.Array, want_logprobs):
+def _later_positions(state: SlotState, logits: jax.Array, want_logprobs, processing):
     """Tokens [rows, k] for positions 1..k of a verify step (state already advanced past t_0), each
     processed and sampled as decoding would there (`sampling.process`; only rows without penalties
     or a grammar draft, so the counts a later position would have do not matter: other rows'
@@ -173,7 +174,7 @@ def _later_positions(state: SlotState, logits: jax.Array, want_logprobs):
     rows, k, vocab = logits.shape
     banning = (state.generated[:, None] + jnp.arange(k)[None, :]) < state.min_tokens[:, None]
     knobs = (state.prompt_mask, state.counts, state.bias, state.stop_mask, banning, None, state.sampling)
-    processed = process(logits, *knobs)  # [rows, k, V]
+    processed = process(logits, *knobs, processing)  # [rows, k, V]
     repeated = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), state.sampling)
     # Column c (1..k) samples the token at p + 1 + c; the state's position is p + 1 by now.
     positions = (state.positions[:, None] + 1 + jnp.arange(k)[None, :]).reshape(-1)
@@ -190,6 +191,7 @@ def verify_step(
     plan: DraftPlan,
     deferred,
     want_logprobs,
+    processing,
     *,
     cfg,
     vocab,
@@ -202,7 +204,8 @@ def verify_step(
     `best_length` picks of `lengths` (or the plan's forced one): the cache, the rows' state, their
     output [k + 1, rows] (k the longest length; tokens -1 where not emitted), the drafts checked
     [rows] and their kind [rows]. A deferred row (a grammar's) is fed and its position-0 logits
-    kept, as a decode step does. params and cache are `jinfer.weights`' trees."""
+    kept, as a decode step does. params and cache are `jinfer.weights`' trees; `processing`: the
+    rows' registered processors (`RowInputs.processing`)."""
     k = max(lengths)
     options = {"draft_cfg": draft_cfg, "vocab": vocab, **attention}
     source = DRAFT_SOURCES[source].draft
@@ -214,7 +217,8 @@ def verify_step(
     def at_length(n):
         def run(carry):
             cache, state, _, _ = carry
-            one = (params, cache, state, tables, active, deferred, want_logprobs, drafts[:, :n], real[:, :n])
+            rows = (active, deferred, want_logprobs, processing, drafts[:, :n], real[:, :n])
+            one = (params, cache, state, tables, *rows)
             cache, state, out, checked = _check_drafts(*one, cfg=cfg, vocab=vocab, **attention)
             pad = lambda a, fill: jnp.concatenate([a, jnp.full((k - n, *a.shape[1:]), fill, a.dtype)])
             out = jax.tree.map(lambda a: pad(a, 0), out).replace(tokens=pad(out.tokens, -1))
@@ -234,7 +238,20 @@ def verify_step(
 
 
 def _check_drafts(
-    params, cache, state, tables, active, deferred, want_logprobs, drafts, real, *, cfg, vocab, **attention
+    params,
+    cache,
+    state,
+    tables,
+    active,
+    deferred,
+    want_logprobs,
+    processing,
+    drafts,
+    real,
+    *,
+    cfg,
+    vocab,
+    **attention,
 ):
     """The target's pass over each row's last token and its drafts [rows, k] (k may be 0: a plain
     decode step), then the tokens decoding would sample at those positions, the leading drafts
@@ -251,9 +268,9 @@ def _check_drafts(
         jnp.any(deferred), lambda: jnp.where(deferred[:, None], first, state.logits), lambda: state.logits
     )
     sampled = active & ~deferred
-    state, out0 = sample_rows(state.replace(logits=kept), first, None, sampled, want_logprobs)
+    state, out0 = sample_rows(state.replace(logits=kept), first, None, sampled, want_logprobs, processing)
     if k:
-        later, outs = _later_positions(state, logits[:, 1:], want_logprobs)
+        later, outs = _later_positions(state, logits[:, 1:], want_logprobs, processing)
         state, taken = _advance(state, drafts, real, later.reshape(rows, k), sampled)
         later_out = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(rows, k, *a.shape[1:]), 0, 1), outs)
         out = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, later_out)
@@ -276,21 +293,60 @@ def _advance(state: SlotState, drafts, real, later, sampled) -> tuple[SlotState,
     return advance_rows(state, later, taken), taken
 
 
-def verify(params, cache, state, tables, inputs, chunk: None, *, steps, **options):
+def verify(params, cache, state, tables, inputs, chunk: None, *, steps, processors, **options):
     """`steps` verify steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
     inputs.steps[i] (a deferred slot in the first only, unsampled), by the inputs' `DraftPlan`:
     the cache, the state and a `DispatchOutput` of the rows' output [steps x (k + 1), rows]
     (tokens -1 where nothing was emitted), the drafts checked [steps, rows] and their kinds."""
 
+    processing = inputs.processing(processors)
+
     def step(cache, part, active, deferred):
-        cache, part, out, checked, kind = verify_step(
-            params, cache, part, tables, active, inputs.plan, deferred, inputs.want_logprobs, **options
-        )
+        rows = (active, inputs.plan, deferred, inputs.want_logprobs, processing)
+        cache, part, out, checked, kind = verify_step(params, cache, part, tables, *rows, **options)
         return cache, part, (out, checked, kind)
 
     cache, state, (outs, checked, kinds) = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)
     outs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs)
     return cache, state, DispatchOutput(rows=outs, checked=checked, kinds=kinds)
+
+
+def measure_verify_costs(device, rounds: int = 7) -> dict[tuple[int, int], float]:
+    """`Speculation.cost`, measured through a device's dispatches (`jinfer.device`; on several
+    processes the followers replay them too): per (slot bucket, draft tokens) verify variant, its
+    step's time over a decode step's that feeds no draft model (the engine's step without
+    speculation), every row busy, at the smallest attention bucket, the program made to take that
+    length. Each round times a decode dispatch and then each length's in turn, so a slow spell of
+    the machine slows both sides of a ratio; a length's cost is its median ratio over the rounds,
+    at least a shorter length's and at least 1 (a verify step does a decode step's work and more:
+    a cost measured below it would make drafts that are never accepted look free). The caller
+    sets block tables that map nowhere first (the busy rows write) and runs it with no request in
+    a slot (their state is left for the next prefill to set)."""
+    layout, costs = device.steps.layout, {}
+    attn_len, busy = layout.attention_buckets[0], layout.decode_steps
+
+    def seconds(program, inputs):
+        start = time.perf_counter()
+        jax.block_until_ready(device.dispatch(program, inputs).rows.tokens)
+        return time.perf_counter() - start
+
+    for program in device.steps.of_kind("verify"):
+        if program.attn_len != attn_len:
+            continue
+        rows, k = program.rows, program.drafts
+        decode = Program("decode", rows, attn_len, feeds_draft=device.steps.draft_model is None)
+        lengths = program_lengths(layout.speculative, layout.verify_variants, k)
+        forced = {n: device.idle_inputs(program, index, busy) for index, n in enumerate(lengths) if n}
+        ratios = {n: [] for n in forced}
+        for _ in range(rounds):
+            plain = seconds(decode, device.idle_inputs(decode, busy=busy))
+            for n, inputs in forced.items():
+                ratios[n].append(seconds(program, inputs) / plain)
+        costs.update({(rows, n): float(np.median(r)) for n, r in ratios.items()})
+    for rows, n in sorted(costs):  # shorter lengths first
+        shorter = [costs[rows, m] for m in range(n) if (rows, m) in costs]
+        costs[rows, n] = max(costs[rows, n], 1.0, *shorter)
+    return costs
 
 
 def may_draft(sampling, constrained: bool) -> bool:
@@ -324,7 +380,7 @@ class Speculation:
         alphas = np.array(DRAFT_SOURCES[source].priors, np.float32)
         # [kinds, 2]: draft tokens accepted and rejected over all requests (priors: ~10 drafts' worth)
         self.seen = 10 * np.stack([alphas, 1 - alphas], axis=1)
-        # A verify step's time over a decode step's (`Device.verify_cost` measures them at
+        # A verify step's time over a decode step's (`measure_verify_costs` measures them at
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
         self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
         self.useful = dict.fromkeys(self.lengths, 1.0)

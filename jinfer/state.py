@@ -121,15 +121,16 @@ def scan_rows(step, cache, state: SlotState, row_steps, deferred, steps: int):
     return cache, put_rows(state, part), outs
 
 
-def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs):
-    """Sample the state's rows from their logits [rows, V] (allowed [rows, W] or None) and advance
-    the `sampled` [rows] ones: their token becomes the next decode input. With none sampled (a
-    decode of deferred rows only) the passes over the vocabulary are skipped (`lax.cond`)."""
+def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs, processors=()):
+    """Sample the state's rows from their logits [rows, V] (allowed [rows, W] or None; the
+    registered processors' (function, values) pairs) and advance the `sampled` [rows] ones: their
+    token becomes the next decode input. With none sampled (a decode of deferred rows only) the
+    passes over the vocabulary are skipped (`lax.cond`)."""
     rows = sampled.shape[0]
 
     knobs = (state.bias, state.stop_mask, state.generated < state.min_tokens, allowed, state.sampling)
     chosen = lambda: choose(
-        logits, state.prompt_mask, state.counts, *knobs, state.positions + 1, want_logprobs
+        logits, state.prompt_mask, state.counts, *knobs, state.positions + 1, want_logprobs, processors
     )
     nothing = lambda: (jnp.zeros((rows,), jnp.int32), nothing_chosen(rows))
     token, out = jax.lax.cond(jnp.any(sampled), chosen, nothing)

@@ -60,7 +60,7 @@ leave the device; the engine reads them one iteration late so the host overlaps 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -71,7 +71,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
 from jinfer.draft import run_model
-from jinfer.inputs import DispatchOutput, Program, RowInputs, input_shardings
+from jinfer.inputs import DispatchOutput, Program, RowInputs, RowProcessor, input_shardings
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models import llama
@@ -112,7 +112,9 @@ def _no_logits(vocab: int) -> jax.Array:
     return jnp.zeros((1, vocab), jnp.float32)
 
 
-def _start_slot(state: SlotState, chunk: PrefillChunk, logits, allowed, vocab: int, want_logprobs):
+def _start_slot(
+    state: SlotState, chunk: PrefillChunk, logits, allowed, vocab: int, want_logprobs, processors
+):
     """Sample a token from a prompt chunk's last logits [1, V] and (re)initialise the slot's state row.
 
     The token sampled after a prompt's last chunk is the request's next output token (the first,
@@ -136,6 +138,7 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits, allowed, vocab: i
         chunk.sampling,
         position[None],
         want_logprobs,
+        processors,
     )
     set_row = lambda array, value: array.at[slot].set(value)
     # The chunk's tokens (and the token sampled after a prompt's last) where speculative drafts
@@ -163,7 +166,17 @@ def _start_slot(state: SlotState, chunk: PrefillChunk, logits, allowed, vocab: i
 
 
 def _prefill(
-    params, cache, state: SlotState, tables, inputs: RowInputs, packed: PackedChunk, *, cfg, vocab, draft_cfg
+    params,
+    cache,
+    state: SlotState,
+    tables,
+    inputs: RowInputs,
+    packed: PackedChunk,
+    *,
+    cfg,
+    vocab,
+    draft_cfg,
+    processors,
 ):
     """One prompt chunk into its slot; its token sampled under the slot's allowed set."""
     chunk = packed.unpack()
@@ -173,7 +186,8 @@ def _prefill(
         lambda: llama.logits(params.target, _last_real(hidden, chunk))[:, :vocab],
         lambda: _no_logits(vocab),
     )  # [1, V]
-    state, out = _start_slot(state, chunk, logits, inputs.allowed, vocab, inputs.want_logprobs)
+    pairs = inputs.processing(processors)
+    state, out = _start_slot(state, chunk, logits, inputs.allowed, vocab, inputs.want_logprobs, pairs)
     return cache, state, DispatchOutput(rows=None, chunk=out)
 
 
@@ -186,6 +200,7 @@ def _decode_step(
     deferred,
     want_logprobs,
     chunk,
+    processing,
     *,
     cfg,
     vocab,
@@ -195,6 +210,7 @@ def _decode_step(
     """One decode step for the state's rows (slots 0..rows-1; active and deferred [rows] bool),
     carrying a prompt chunk when there is one: every weight is read once for both. Deferred rows
     keep their logits in the state (written only when some row is deferred) instead of sampling.
+    `processing`: the rows' registered processors (`RowInputs.processing`).
     Returns the cache, the rows' state, their output [rows] and the chunk's last logits [1, V]
     (None without a chunk). `attention`: attn_len and attention_kernel."""
     rows = active.shape[0]
@@ -224,26 +240,31 @@ def _decode_step(
         lambda: jnp.where(deferred[:, None], logits, state.logits),
         lambda: state.logits,
     )
-    state, out = sample_rows(state.replace(logits=kept), logits, None, active & ~deferred, want_logprobs)
+    sampled = active & ~deferred
+    state, out = sample_rows(state.replace(logits=kept), logits, None, sampled, want_logprobs, processing)
     return cache, state, out, chunk_logits
 
 
-def _decode(params, cache, state, tables, inputs: RowInputs, chunk: None, *, steps, **step_options):
+def _decode(
+    params, cache, state, tables, inputs: RowInputs, chunk: None, *, steps, processors, **step_options
+):
     """`steps` decode steps for slots 0..rows-1 (`state.scan_rows`), slot i in the first
     inputs.steps[i] of them (a deferred slot in the first only, unsampled): the cache, the state
     and the rows' output [steps, rows]."""
+    processing = inputs.processing(processors)
 
     def step(cache, part, active, deferred):
-        cache, part, out, _ = _decode_step(
-            params, cache, part, tables, active, deferred, inputs.want_logprobs, None, **step_options
-        )
+        rows = (active, deferred, inputs.want_logprobs, None, processing)
+        cache, part, out, _ = _decode_step(params, cache, part, tables, *rows, **step_options)
         return cache, part, out
 
     cache, state, outs = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)
     return cache, state, DispatchOutput(rows=outs)
 
 
-def _mixed(params, cache, state, tables, inputs: RowInputs, packed: PackedChunk, *, vocab, **options):
+def _mixed(
+    params, cache, state, tables, inputs: RowInputs, packed: PackedChunk, *, vocab, processors, **options
+):
     """One decode step for slots 0..rows-1 (inputs' rows but the last, the chunk's; those with
     steps > 0, deferred ones unsampled) that also prefills a prompt chunk into another slot, its
     token sampled under its allowed set: the cache, the state, the rows' output [1, rows] and the
@@ -251,21 +272,24 @@ def _mixed(params, cache, state, tables, inputs: RowInputs, packed: PackedChunk,
     chunk, rows = packed.unpack(), inputs.rows - 1
     part = rows_of(state, rows)
     active, deferred = inputs.steps[:rows] > 0, inputs.deferred[:rows]
+    decoding = (active, deferred, inputs.want_logprobs, chunk, inputs.processing(processors, slice(0, rows)))
     cache, part, out, chunk_logits = _decode_step(
-        params, cache, part, tables, active, deferred, inputs.want_logprobs, chunk, vocab=vocab, **options
+        params, cache, part, tables, *decoding, vocab=vocab, **options
     )
     state = put_rows(state, part)  # before the chunk's slot starts: it is not among the rows
-    state, chunk_out = _start_slot(state, chunk, chunk_logits, inputs.allowed, vocab, inputs.want_logprobs)
+    starting = (inputs.allowed, vocab, inputs.want_logprobs, inputs.processing(processors, slice(rows, None)))
+    state, chunk_out = _start_slot(state, chunk, chunk_logits, *starting)
     return cache, state, DispatchOutput(rows=jax.tree.map(lambda x: x[None], out), chunk=chunk_out)
 
 
-def _sample(state: SlotState, inputs: RowInputs):
+def _sample(state: SlotState, inputs: RowInputs, *, processors):
     """Sample the deferred slots among 0..rows-1 under their allowed-token bitmasks: the state and
     the rows' output [1, rows]."""
     rows = inputs.rows
     part = rows_of(state, rows)
     allowed = inputs.allowed[:rows]
-    part, out = sample_rows(part, part.logits, allowed, inputs.deferred, inputs.want_logprobs)
+    processing = inputs.processing(processors)
+    part, out = sample_rows(part, part.logits, allowed, inputs.deferred, inputs.want_logprobs, processing)
     # Only the fields sampling changes are written back: on a CPU each is a pass of its own.
     put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(state, name), getattr(part, name), 0, 0)
     state = state.replace(
@@ -288,6 +312,7 @@ class Steps:
     layout: Layout
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
+    processors: tuple[RowProcessor, ...]  # the logits processors every sampling step applies
     # Every compiled variant: prefill, decode, mixed and verify are (weights, cache, state, tables,
     # inputs, chunk) -> cache, state, DispatchOutput; sample is (state, inputs) -> state, output.
     programs: dict[Program, Callable]
@@ -356,7 +381,7 @@ def program_keys(layout: Layout, draft: bool) -> list[Program]:
 def _program_function(key: Program, layout: Layout, model_options: dict) -> Callable:
     """The function a program jits (before jit: several keys share one jitted function)."""
     if key.kind == "sample":
-        return _sample
+        return partial(_sample, processors=model_options["processors"])
     if key.kind == "prefill":
         return partial(_prefill, **model_options)
     options = {"attn_len": key.attn_len, "attention_kernel": layout.attention_kernel, **model_options}
@@ -388,9 +413,9 @@ def _placement(mesh: Mesh, param_shardings, model: ModelConfig, draft: ModelConf
     return _Placement(mesh, param_shardings, pool, cache, slot_state_shardings(mesh), replicated, by_slot)
 
 
-def _jit_program(function: Callable, key: Program, place: _Placement) -> Callable:
+def _jit_program(function: Callable, key: Program, place: _Placement, processors) -> Callable:
     """`function` jitted with explicit shardings and the cache and state donated."""
-    inputs = input_shardings(place.mesh, plan=key.kind == "verify")
+    inputs = input_shardings(place.mesh, plan=key.kind == "verify", processors=processors)
     if key.kind == "sample":
         return jax.jit(
             function,
@@ -414,9 +439,11 @@ def build_steps(
     param_shardings,
     vocab_size: int,
     draft: ModelConfig | None = None,
+    processors: Sequence[RowProcessor] = (),
 ) -> Steps:
     """Jit every program once, with explicit shardings and the cache and state donated. With a
-    `draft` model (`jinfer.draft`), param_shardings are a `Weights` of both models'."""
+    `draft` model (`jinfer.draft`), param_shardings are a `Weights` of both models'; `processors`:
+    the logits processors every sampling step applies (`jinfer.inputs.RowProcessor`)."""
     place = _placement(mesh, param_shardings, model, draft)
     jitted = {}  # one jitted function per (kind, attention bucket, drafts, feeding): it compiles per shape
 
@@ -424,7 +451,8 @@ def build_steps(
         shared = key._replace(rows=0, chunk=0)
         if shared not in jitted:
             options = {"cfg": model, "vocab": vocab_size, "draft_cfg": draft if key.feeds_draft else None}
-            jitted[shared] = _jit_program(_program_function(key, layout, options), key, place)
+            options["processors"] = processors
+            jitted[shared] = _jit_program(_program_function(key, layout, options), key, place, processors)
         return jitted[shared]
 
     small = lambda f, carried: jax.jit(
@@ -436,6 +464,7 @@ def build_steps(
         layout=layout,
         vocab_size=vocab_size,
         mesh=mesh,
+        processors=tuple(processors),
         programs={key: jit_program(key) for key in program_keys(layout, draft is not None)},
         history=small(partial(set_history, vocab=vocab_size), place.state),
         clear_pages=small(_clear_pages, place.cache),

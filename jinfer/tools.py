@@ -305,6 +305,19 @@ class ToolUse:
         return self.convention.parse(text)
 
 
+def finish_reason(reason: str, calls) -> str:
+    """A finished output's reason: "tool_calls" where an output that stopped holds calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def finish_output(tool_use: ToolUse | None, text: str, reason: str) -> tuple[str, list[ToolCall], str]:
+    """A finished output as its content, its tool calls (parsed out of an output that stopped with
+    well-formed calls; else none) and its finish reason (`finish_reason`)."""
+    parsed = tool_use.parse(text) if tool_use is not None and reason == "stop" else None
+    content, calls = parsed if parsed is not None else (text, [])
+    return content, calls, finish_reason(reason, calls)
+
+
 def conversation_for(messages: list[dict[str, Any]], tools: list[Tool], convention: Convention, native: bool):
     """Messages (checked, with `tool_calls` and `tool_call_id` kept) as the template should see
     them: untouched for a template that takes tools, else with the tools in a system message and

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ from jinfer.scheduler import QueueFullError
 from jinfer.structured import has_constraint
 
 from .bridge import EngineBridge
-from .protocol import APIError, GenerationRequest, api_param, parse_generation, parse_json_object
+from .protocol import APIError, GenerationRequest, Submission, api_param, parse_generation, parse_json_object
 from .responses import ResponseWriter, now, usage
 from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
@@ -187,9 +186,7 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
             }
             if req.kind == "chat":
                 tools = {n: getattr(req, n) for n in ("tools", "tool_choice", "parallel_tool_calls")}
-                prepared = self.preparer.prepare(messages=req.messages, **options, **tools)
-                req.tool_use = prepared.tools
-                return [prepared]
+                return [self.preparer.prepare(messages=req.messages, **options, **tools)]
             return [self.preparer.prepare(prompt, **options) for prompt in req.prompts]
         except ContextLengthError as e:
             param = "messages" if req.kind == "chat" else "prompt"
@@ -206,13 +203,11 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
 
     def _open_all(
         self, req: GenerationRequest, prepared: list[PreparedRequest], queue: asyncio.Queue
-    ) -> tuple[list[str], list[list[int]]]:
+    ) -> Submission:
         """Submit n choices per prompt; on any failure cancel the ones already submitted. Choice i
-        gets seed + i, so n > 1 requests give n different answers; an unseeded request gets a fresh
-        seed, reported back (`req.seed`) so that sending it reproduces the answers. Returns the
-        request ids and each prompt's ids."""
+        gets the seed preparation chose (the request's, or a fresh one) + i, so n > 1 requests give
+        n different answers, and the seed sent back reproduces them."""
         seed = prepared[0].sampling.seed
-        req.seed = seed = secrets.randbits(32) if seed is None else seed
         opened: list[str] = []
         try:
             for index in range(req.choices):
@@ -231,7 +226,7 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
             for request_id in opened:
                 self.bridge.cancel(request_id)
             raise
-        return opened, [p.prompt_ids for p in prepared]
+        return Submission(opened, [p.prompt_ids for p in prepared], seed, prepared[0].tools)
 
     # ------------------------------------------------------------------------ handlers
     async def health(self, request: Request) -> Response:
@@ -291,10 +286,10 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         if req.score_only:
             return await self._score_only(req, [p.prompt_ids for p in await self._prepared(req)])
         queue: asyncio.Queue = asyncio.Queue()
-        request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
+        submitted = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
-            return _event_stream(self._sse(req, queue, request_ids, prompt_ids))
-        return await self._complete(request, req, queue, request_ids, prompt_ids)
+            return _event_stream(self._sse(req, queue, submitted))
+        return await self._complete(request, req, queue, submitted)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as a chat (serve/responses_api.py)."""
@@ -303,10 +298,10 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         req = parse_generation(chat_body(body), "chat", self._max_n)
         self._check_model(req.model)
         queue: asyncio.Queue = asyncio.Queue()
-        request_ids, _ = self._open_all(req, await self._prepared(req), queue)
+        submitted = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
-            return _event_stream(self._response_events(req, body, queue, request_ids))
-        return await self._respond(request, req, body, queue, request_ids)
+            return _event_stream(self._response_events(req, body, queue, submitted))
+        return await self._respond(request, req, body, queue, submitted)
 
     # ----------------------------------------------------------------------- websocket
     async def websocket(self, ws: WebSocket) -> None:
@@ -337,12 +332,12 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
                     req = parse_generation(body, message["type"], self._max_n)
                     self._check_model(req.model)
                     queue: asyncio.Queue = asyncio.Queue()
-                    request_ids, prompt_ids = self._open_all(req, await self._prepared(req), queue)
+                    submitted = self._open_all(req, await self._prepared(req), queue)
                 except APIError as e:
                     await ws.send_json({"type": "error", "id": client_id, "error": e.body()["error"]})
                     continue
-                task = asyncio.create_task(self._ws_forward(ws, client_id, req, queue, prompt_ids, running))
-                running[client_id] = (request_ids, task)
+                forward = self._ws_forward(ws, client_id, req, queue, submitted.prompt_ids, running)
+                running[client_id] = (submitted.request_ids, asyncio.create_task(forward))
         except WebSocketDisconnect:
             pass
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from jinfer.sampling import RequestError, SamplingParams
 
@@ -138,7 +138,7 @@ def _logit_bias(body) -> dict[int, Any] | None:
     return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """A completions or chat request, its fields checked for type; the request-preparation path
     (`jinfer.prepare`) checks the rest (messages, ranges, the model's limits)."""
@@ -159,8 +159,6 @@ class GenerationRequest:
     tools: Any = None  # chat: OpenAI's tools, tool_choice and parallel_tool_calls (checked by jinfer.tools)
     tool_choice: Any = None
     parallel_tool_calls: Any = True
-    tool_use: Any = None  # set once prepared: how to read tool calls in the output (jinfer.tools.ToolUse)
-    seed: int | None = None  # set once submitted: the seed of choice 0 (choice i has seed + i)
     score_only: bool = False  # completions: echo with max_tokens 0, the prompt scored, nothing generated
 
     @property
@@ -169,20 +167,32 @@ class GenerationRequest:
         return max(len(self.prompts), 1) * self.n
 
 
-# Body fields passed to SamplingParams as they are (it checks their types and ranges).
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "ignore_eos",
-    "min_tokens",
-    "stop_token_ids",
-    "speculative",
-)
+class Submission(NamedTuple):
+    """What the server decided for a request once it prepared and submitted it: what its
+    responses are written from, beside the parsed request."""
+
+    request_ids: list[str]  # the engine's requests, one per choice
+    prompt_ids: list[list[int]]  # each prompt's token ids
+    seed: int  # choice 0's seed (choice i's is seed + i): sent back, it reproduces the answers
+    tool_use: Any = None  # a chat's tools: how to read calls in the output (jinfer.tools.ToolUse)
+
+
+# SamplingParams fields a body carries under their own names, passed as they are (SamplingParams
+# checks their types and ranges). The others come from fields of other names or shapes
+# (max_tokens, top_k's -1, logit_bias's string keys, stop, logprobs, response_format) or are not
+# taken over HTTP (extra_args: the engine's registered processors are an offline feature).
+_MAPPED = {
+    "max_tokens",
+    "top_k",
+    "logit_bias",
+    "stop",
+    "logprobs",
+    "json_schema",
+    "regex",
+    "grammar",
+    "extra_args",
+}
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in _MAPPED)
 
 
 def _constraint(body) -> dict[str, Any]:
@@ -224,11 +234,11 @@ def _constraint(body) -> dict[str, Any]:
 
 # Every body field a door reads; anything else is a 400 naming it (never silently ignored).
 _COMMON_FIELDS = {
-    "model", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p",
-    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "response_format",
+    "model", "max_tokens", "n", "stop", "stream", "stream_options", "logit_bias", "logprobs", "user",
+    "response_format",
     # jinfer's own
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "regex",
-    "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt", "speculative",
+    "top_k", "regex", "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt",
+    *_SAMPLING_FIELDS,
 }  # fmt: skip
 _FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},

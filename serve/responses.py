@@ -19,9 +19,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jinfer.tools import ToolStream, tool_call_deltas
+from jinfer.tools import ToolStream, finish_output, finish_reason, tool_call_deltas
 
-from .protocol import APIError, GenerationRequest
+from .protocol import APIError, GenerationRequest, Submission
 
 
 def new_id(kind: str) -> str:
@@ -120,8 +120,8 @@ def sse_data(body: dict) -> str:
 class ChunkWriter:
     """The `data:` chunks of one streamed completions or chat response."""
 
-    def __init__(self, req: GenerationRequest, model_name: str, fingerprint: str, token_bytes):
-        self.req, self.token_bytes = req, token_bytes
+    def __init__(self, req: GenerationRequest, seed: int, model_name: str, fingerprint: str, token_bytes):
+        self.req, self.seed, self.token_bytes = req, seed, token_bytes
         self.head = {
             "id": new_id(req.kind),
             "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
@@ -158,7 +158,7 @@ class ChunkWriter:
         req, finals = self.req, [choice.final for choice in choices]
         completion_tokens = sum(f.metrics["completion_tokens"] for f in finals if f.metrics)
         body = {**self.head, "choices": [], "usage": usage(finals[:: req.n], prompt_ids, completion_tokens)}
-        body["jinfer"] = {"seed": req.seed, "timings": [timings(f.metrics) for f in finals]}
+        body["jinfer"] = {"seed": self.seed, "timings": [timings(f.metrics) for f in finals]}
         return sse_data(body)
 
 
@@ -181,10 +181,10 @@ class StreamedChoice:
         if self.tools is not None:
             rest, calls = self.tools.finish()
             self.text.append(rest)
-            if calls and reason == "stop":
+            reason = finish_reason(reason, calls)
+            if reason == "tool_calls":
                 lines += self.flush(index, writer)
                 lines += [writer.chunk(index, calls=[delta]) for delta in tool_call_deltas(calls)]
-                reason = "tool_calls"
         lines += self.flush(index, writer)
         if reason == "error":  # what went wrong, as an event (OpenAI clients raise it)
             lines.append(sse_data(APIError(500, event.error, code="engine_error").body()))
@@ -237,9 +237,10 @@ class ResponseWriter:
         }
         return JSONResponse(body)
 
-    async def _complete(self, request, req, queue, request_ids, prompt_ids) -> Response:
+    async def _complete(self, request, req, queue, submitted: Submission) -> Response:
         """The whole response body of a completions or chat request."""
-        choices = await self._collect(request, req, queue, request_ids)
+        choices = await self._collect(request, req, queue, submitted.request_ids)
+        prompt_ids = submitted.prompt_ids
         failed = [c["final"] for c in choices if c["final"].finish_reason == "error"]
         if failed and self.engine.failure is not None:  # not this request's fault: it may be retried
             raise APIError(503, failed[0].error, code="unavailable")
@@ -257,12 +258,10 @@ class ResponseWriter:
                     entries = scored[index // req.n] + entries
                 logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries)
             if req.kind == "chat":
-                message, reason = {"role": "assistant", "content": text}, final.finish_reason
-                parsed = req.tool_use.parse(text) if req.tool_use is not None and reason == "stop" else None
-                if parsed is not None:
-                    content, calls = parsed
-                    message = {"role": "assistant", "content": content or None}
-                    message["tool_calls"], reason = [call.openai() for call in calls], "tool_calls"
+                content, calls, reason = finish_output(submitted.tool_use, text, final.finish_reason)
+                message = {"role": "assistant", "content": content}
+                if calls:  # OpenAI's: no text beside the calls is null
+                    message |= {"content": content or None, "tool_calls": [call.openai() for call in calls]}
                 body_choices.append(
                     {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
                 )
@@ -283,7 +282,7 @@ class ResponseWriter:
             "choices": body_choices,
             "usage": usage([c["final"] for c in choices[:: req.n]], prompt_ids, completion_tokens),
             "system_fingerprint": self.fingerprint,
-            "jinfer": {"seed": req.seed, "timings": [timings(c["final"].metrics) for c in choices]},
+            "jinfer": {"seed": submitted.seed, "timings": [timings(c["final"].metrics) for c in choices]},
         }
         return JSONResponse(body)
 
@@ -320,10 +319,12 @@ class ResponseWriter:
         prompt = req.prompts[index // req.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    async def _sse(self, req, queue, request_ids, prompt_ids):
+    async def _sse(self, req, queue, submitted: Submission):
         """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
-        writer = ChunkWriter(req, self.model_name, self.fingerprint, self.preparer.grammars.token_bytes)
-        choices = [StreamedChoice(req.tool_use) for _ in range(req.choices)]
+        token_bytes = lambda token: self.preparer.grammars.token_bytes(token)
+        writer = ChunkWriter(req, submitted.seed, self.model_name, self.fingerprint, token_bytes)
+        choices = [StreamedChoice(submitted.tool_use) for _ in range(req.choices)]
+        prompt_ids = submitted.prompt_ids
         try:
             echoed = req.echo and req.top_logprobs is not None
             scored = await self._prompt_entries(req, prompt_ids) if echoed else None
@@ -348,7 +349,7 @@ class ResponseWriter:
                 yield writer.usage(choices, prompt_ids)
             yield "data: [DONE]\n\n"
         finally:  # client gone (generator closed) or done: cancel whatever still runs
-            for request_id in request_ids:
+            for request_id in submitted.request_ids:
                 self.bridge.cancel(request_id)
 
     async def _next_batch(self, queue: asyncio.Queue):

@@ -19,9 +19,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from jinfer.tools import ToolStream
+from jinfer.tools import ToolStream, finish_output, finish_reason
 
-from .protocol import NO_EFFECT_FIELDS, APIError
+from .protocol import NO_EFFECT_FIELDS, APIError, Submission
 from .responses import now
 
 REFUSED = {
@@ -228,10 +228,9 @@ class ResponseEvents:
 class ResponsesWriter:
     """The part of the API that writes Response objects and their events."""
 
-    def _output_items(self, req, text: str, reason: str) -> list[dict[str, Any]]:
+    def _output_items(self, tool_use, text: str, reason: str) -> list[dict[str, Any]]:
         """A finished choice as output items: the message (if it has text), then its calls."""
-        parsed = req.tool_use.parse(text) if req.tool_use is not None and reason == "stop" else None
-        content, calls = parsed if parsed is not None else (text, [])
+        content, calls, _ = finish_output(tool_use, text, reason)
         items = [self._message_item(content)] if content or not calls else []
         return items + [self._call_item(call) for call in calls]
 
@@ -258,7 +257,7 @@ class ResponsesWriter:
             "status": status,
         }
 
-    def _response(self, req, body, response_id, created, status, output, final=None) -> dict[str, Any]:
+    def _response(self, req, body, seed, response_id, created, status, output, final=None) -> dict[str, Any]:
         metrics = (final.metrics or {}) if final is not None else {}
         prompt, completion = metrics.get("prompt_tokens", 0), metrics.get("completion_tokens", 0)
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -295,27 +294,28 @@ class ResponsesWriter:
             if final is not None
             else None,
             "system_fingerprint": self.fingerprint,
-            "jinfer": {"seed": req.seed},
+            "jinfer": {"seed": seed},
         }
 
     @staticmethod
     def _status(final) -> str:
         return {"length": "incomplete", "error": "failed"}.get(final.finish_reason, "completed")
 
-    async def _respond(self, request, req, body, queue, request_ids) -> JSONResponse:
-        (choice,) = await self._collect(request, req, queue, request_ids)
+    async def _respond(self, request, req, body, queue, submitted: Submission) -> JSONResponse:
+        (choice,) = await self._collect(request, req, queue, submitted.request_ids)
         final = choice["final"]
-        output = self._output_items(req, "".join(choice["text"]), final.finish_reason)
+        output = self._output_items(submitted.tool_use, "".join(choice["text"]), final.finish_reason)
         status = self._status(final)
-        return JSONResponse(self._response(req, body, _new_id("resp"), now(), status, output, final))
+        response = self._response(req, body, submitted.seed, _new_id("resp"), now(), status, output, final)
+        return JSONResponse(response)
 
-    async def _response_events(self, req, body, queue, request_ids):
+    async def _response_events(self, req, body, queue, submitted: Submission):
         """The Response's typed events (`event:` and `data:` lines), created to completed."""
         stream = ResponseEvents(self._message_item, self._call_item)
         response_id, created = _new_id("resp"), now()
-        tool_stream = ToolStream(req.tool_use) if req.tool_use is not None else None
+        tool_stream = ToolStream(submitted.tool_use) if submitted.tool_use is not None else None
         try:
-            start = self._response(req, body, response_id, created, "in_progress", [])
+            start = self._response(req, body, submitted.seed, response_id, created, "in_progress", [])
             yield stream.event("response.created", response=start)
             yield stream.event("response.in_progress", response=start)
             final, calls = None, []
@@ -333,14 +333,17 @@ class ResponsesWriter:
                             delta += rest
                     for line in stream.text_delta(delta):
                         yield line
-            for line in stream.finish(calls if final.finish_reason == "stop" else []):
+            stopped_calls = calls if finish_reason(final.finish_reason, calls) == "tool_calls" else []
+            for line in stream.finish(stopped_calls):
                 yield line
             status = self._status(final)
-            done = self._response(req, body, response_id, created, status, stream.output, final)
+            done = self._response(
+                req, body, submitted.seed, response_id, created, status, stream.output, final
+            )
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 status, "response.failed"
             )
             yield stream.event(kind, response=done)
         finally:
-            for request_id in request_ids:
+            for request_id in submitted.request_ids:
                 self.bridge.cancel(request_id)

@@ -9,7 +9,7 @@ from tiny import train_tokenizer
 from jinfer import SamplingParams, load_tokenizer
 from jinfer.request import RequestOutput
 from jinfer_serve.app import JinferAPI
-from jinfer_serve.protocol import GenerationRequest
+from jinfer_serve.protocol import GenerationRequest, Submission
 from jinfer_serve.settings import ServerConfig
 
 
@@ -56,7 +56,7 @@ async def _collect(api, schedule):
             queue.put_nowait((0, event))
 
     feeder = asyncio.create_task(feed())
-    frames = [frame async for frame in api._sse(_request(), queue, ["r1"], [[1]])]
+    frames = [frame async for frame in api._sse(_request(), queue, Submission(["r1"], [[1]], 0))]
     await feeder
     return frames
 
