@@ -28,7 +28,7 @@ from jinfer.paging import KVPages
 from jinfer.prepare import RequestPreparer
 from jinfer.scheduler import Scheduler
 from jinfer.sharding import DTYPES, make_mesh
-from jinfer.speculative import Speculation
+from jinfer.speculation import Speculation
 from jinfer.steps import Steps, build_steps
 from jinfer.weights import Weights
 

@@ -14,7 +14,7 @@ call (the engine's loop and a server scoring a text).
 An input's `allowed` bitmask is None when no row is constrained: the device passes its resident
 all-bits-set mask instead of uploading one. `warm_up` dispatches every program once;
 `idle_inputs` are a program's inputs with no row busy (warm-up; timing verify steps,
-`speculative.measure_verify_costs`).
+`speculation.measure_verify_costs`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from jinfer.request import PrefillWork, Request, RequestOutput, deliver
 from jinfer.sampling import StepOutput
 from jinfer.scheduler import Plan, QueueFullError
 from jinfer.scoring import Scorer
-from jinfer.speculative import may_draft, measure_verify_costs
+from jinfer.speculation import DraftRecord, may_draft, measure_verify_costs
 from jinfer.state import pack_history
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
@@ -58,6 +58,11 @@ class Pending(NamedTuple):
     owners: list[Request | None]
     out: StepOutput
     verified: tuple | None = None
+
+
+def _drafts(owners: list[Request | None]) -> list:
+    """The rows' speculation records (None: a row without a request)."""
+    return [None if r is None else r.drafts for r in owners]
 
 
 class EngineUnavailable(RuntimeError):
@@ -162,7 +167,7 @@ class Engine:
     ) -> Request:
         """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check."""
         sampling = prepared.sampling
-        speculative = self.speculation is not None and may_draft(sampling, prepared.grammar is not None)
+        drafting = self.speculation is not None and may_draft(sampling, prepared.grammar is not None)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_ids=prepared.prompt_ids,
@@ -176,9 +181,9 @@ class Engine:
                 self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ()), prepared.tools is None
             ),
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
-            kv=SequencePages(prepared.cache_salt, drafted=speculative and self.steps.draft_model is not None),
+            kv=SequencePages(prepared.cache_salt, drafted=drafting and self.steps.draft_model is not None),
             constraint=prepared.grammar.start() if prepared.grammar is not None else None,
-            speculative=speculative,
+            drafts=DraftRecord(drafting=drafting),
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:
@@ -283,7 +288,7 @@ class Engine:
         inputs = self._inputs([request], steps=np.ones(1, np.int32), want_logprobs=wants, allowed=allowed)
         try:
             self._set_history(work)
-            feeds = request.speculative and self._feeds_draft()  # else its draft cache stays unfed
+            feeds = request.drafts.drafting and self._feeds_draft()  # else its draft cache stays unfed
             program = self._program("prefill", 1, chunk=size, feeds=feeds)
             out = self.device.dispatch(program, inputs, work.packed(size, self.steps.vocab_size))
         except Exception as e:  # a device failure must not kill the engine
@@ -301,7 +306,10 @@ class Engine:
         steps = dispatch_steps(self.layout.decode_steps, mixed=fused is not None)
         inputs = self._decode_inputs(owners, steps, fused, allowed)
         attn_len = self._attention_length(owners, fused)
-        verifying = self.speculation.choose(rows, owners, steps) if self.speculation and not fused else None
+        verifying = None
+        if self.speculation and not fused:
+            verifying, records = self.speculation.choose(rows, _drafts(owners), steps)
+            self.scheduler.store_drafts(owners, records)
         chunk = None
         if verifying is not None:  # (the program's draft length, the draft plan)
             program = Program("verify", rows, attn_len, drafts=verifying[0])
@@ -389,8 +397,13 @@ class Engine:
         self._pending.append(Pending(owners, out.rows))
 
     def _feeds_draft(self) -> bool:
-        slots, bucket = self.scheduler.slots, self.layout.slot_bucket
-        return self.steps.draft_model is None or self.speculation.feeds_draft(slots, bucket)
+        """Whether this dispatch feeds the draft model (`Speculation.feeds_draft`; always without one)."""
+        if self.steps.draft_model is None:
+            return True
+        slots = self.scheduler.slots
+        feeds, records = self.speculation.feeds_draft(_drafts(slots), self.layout.slot_bucket)
+        self.scheduler.store_drafts(slots, records)
+        return feeds
 
     def _set_history(self, work: PrefillWork) -> None:
         """Before a penalised or speculative request's first chunk: its slot's prompt mask, output
@@ -398,7 +411,7 @@ class Engine:
         preemption makes it prefill its output again). Other requests never read them."""
         # A speculative request's chunks write its token history themselves unless the first
         # starts past cached positions.
-        spared = work.request.speculative and work.start > 0
+        spared = work.request.drafts.drafting and work.start > 0
         if work.first and (work.request.sampling.penalised or spared):
             request = work.request
             packed = pack_history(
@@ -427,7 +440,10 @@ class Engine:
         steps = None if pending.verified is None else pending.verified[0]
         if pending.verified is not None:  # its requests' acceptance first: their final metrics include it
             checked, kinds = (np.asarray(a) for a in pending.verified[1:])
-            self.speculation.record(owners, tokens, steps, checked, kinds, self.dispatch_counts)
+            records, tally = self.speculation.record(_drafts(owners), tokens, steps, checked, kinds)
+            self.scheduler.store_drafts(owners, records)
+            self.dispatch_counts.draft_tokens += tally.drafted
+            self.dispatch_counts.accepted_tokens += tally.accepted
         with self._lock:
             committed = self.scheduler.commit(owners, tokens, bad, logprobs, steps)
             self._lock.notify_all()

@@ -17,6 +17,7 @@ import numpy as np
 
 from jinfer.paging import SequencePages
 from jinfer.sampling import SamplingArrays, SamplingParams
+from jinfer.speculation import DraftRecord
 from jinfer.state import PackedChunk, pack_chunk
 from jinfer.structured import Constraint
 from jinfer.tokenizer import TextStream
@@ -49,7 +50,6 @@ class Request:
     dropped_prompt_tokens: int = 0
     kv: SequencePages = dataclasses.field(default_factory=SequencePages)
     constraint: Constraint | None = None  # its output's grammar: one token per dispatch, known first
-    speculative: bool = False  # its decode rows may verify draft tokens (`jinfer.speculative`)
     slot: int | None = None
     # What a slot's prefill computes: the prompt, or after a preemption the prompt and the output
     # so far (`generated_before` tokens of it); `prefilled` of them are in the cache.
@@ -64,14 +64,9 @@ class Request:
     admissions: int = 0  # the scheduler's admission count when it last got a slot (latest: preempted first)
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     preemptions: int = 0
-    # Speculation so far: draft tokens checked and accepted over the steps that checked some, and
-    # the running counts `jinfer.speculative.Speculation` predicts its next steps' acceptance from.
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    verify_steps: int = 0
-    # [kinds + 1, 2]: per kind, draft tokens accepted and rejected; then over all kinds, tokens
-    # accepted and those the engine's chances expected of the same checks. None: none checked yet.
-    draft_record: np.ndarray | None = None
+    # Its speculation: whether it drafts, its drafts' fate so far (`jinfer.speculation`'s value,
+    # stored by the scheduler).
+    drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
@@ -131,9 +126,9 @@ class Request:
             "inter_token_s": list(np.diff(self.token_times)) if n > 1 else [],
             "total_s": now - self.submitted_at,
             "decode_tokens_per_s": (n - 1) / decode_time if decode_time > 0 else None,
-            "draft_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "verify_steps": self.verify_steps,
+            "draft_tokens": self.drafts.drafted,
+            "accepted_tokens": self.drafts.accepted,
+            "verify_steps": self.drafts.verify_steps,
         }
 
 

@@ -196,7 +196,7 @@ class Scheduler:
 
     def _drafts(self, request: Request) -> int:
         """Draft tokens its decode steps may verify (0: it decodes one token a step)."""
-        return self.draft_tokens if request.speculative else 0
+        return self.draft_tokens if request.drafts.drafting else 0
 
     def _dispatch_positions(self, request: Request) -> int:
         """Positions one decode dispatch may write for it."""
@@ -305,6 +305,14 @@ class Scheduler:
                 self._finish(request, "error", error=message)
         events, self._events = self._events, []
         return events
+
+    def store_drafts(self, owners: list[Request | None], records: list) -> None:
+        """Each owner's speculation as the policy left it (`jinfer.speculation.DraftRecord`); a
+        request that stopped drafting no longer finds or caches pages as holding a draft model's K/V."""
+        for request, record in zip(owners, records, strict=True):
+            if request is not None and record is not request.drafts:
+                request.drafts = record
+                request.kv.drafted = request.kv.drafted and record.drafting
 
     def active_requests(self) -> list[Request]:
         return [r for r in self.slots if r is not None]

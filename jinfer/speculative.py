@@ -37,38 +37,26 @@ weights), and pays only while the drafts it checks are accepted often enough. Wh
   * a draft model's drafts cost a pass per token, so the host picks their number per dispatch,
     before they are made.
 
-Host side, `Speculation` keeps each request's record of its drafts' fate, sends the rows' chances
-and the lengths' costs with each verify dispatch, and dispatches plain decode steps where no
-length could pay even for the rows' best drafts.
+The host's side, which requests verify and how many drafts a dispatch takes, is
+`jinfer.speculation`: each request's record of its drafts' fate, sent with each verify dispatch as
+the rows' chances and the lengths' costs (`DraftPlan`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jinfer.draft import model_drafts, run_model
-from jinfer.inputs import DispatchOutput, DraftPlan, Program
+from jinfer.inputs import DispatchOutput, DraftPlan
 from jinfer.models import llama
 from jinfer.sampling import pick, process
 from jinfer.state import SlotState, advance_rows, sample_rows, scan_rows
 
 LONGEST_NGRAM = 6  # the longest suffix looked up; shorter ones only when it has no earlier match
-RECORD_DECAY = 0.8  # weight of a request's earlier evidence in its record, per verify step adding some
-RELAX = 0.99  # weight of a request's evidence, per decode step without a draft checked
-PRIOR_WEIGHT = 2.0  # draft tokens' worth of evidence that a request's estimates start from
-HIGHEST_CHANCE = 0.99  # no kind's chance is taken as certain
-# Below this share of recent verify steps that checked a draft, a slot bucket's dispatches decode
-# plainly (the device chose plain steps anyway) until the share, relaxing toward 1, is back above.
-USEFUL_FLOOR = 0.25
-# Weight of earlier checked drafts of a kind in the engine's chances for requests without evidence
-# of their own, per draft checked: a workload's requests start where its earlier ones ended.
-ENGINE_DECAY = 0.98
 
 
 def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.Array, ...]:
@@ -309,182 +297,3 @@ def verify(params, cache, state, tables, inputs, chunk: None, *, steps, processo
     cache, state, (outs, checked, kinds) = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)
     outs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs)
     return cache, state, DispatchOutput(rows=outs, checked=checked, kinds=kinds)
-
-
-def measure_verify_costs(device, rounds: int = 7) -> dict[tuple[int, int], float]:
-    """`Speculation.cost`, measured through a device's dispatches (`jinfer.device`; on several
-    processes the followers replay them too): per (slot bucket, draft tokens) verify variant, its
-    step's time over a decode step's that feeds no draft model (the engine's step without
-    speculation), every row busy, at the smallest attention bucket, the program made to take that
-    length. Each round times a decode dispatch and then each length's in turn, so a slow spell of
-    the machine slows both sides of a ratio; a length's cost is its median ratio over the rounds,
-    at least a shorter length's and at least 1 (a verify step does a decode step's work and more:
-    a cost measured below it would make drafts that are never accepted look free). The caller
-    sets block tables that map nowhere first (the busy rows write) and runs it with no request in
-    a slot (their state is left for the next prefill to set)."""
-    layout, costs = device.steps.layout, {}
-    attn_len, busy = layout.attention_buckets[0], layout.decode_steps
-
-    def seconds(program, inputs):
-        start = time.perf_counter()
-        jax.block_until_ready(device.dispatch(program, inputs).rows.tokens)
-        return time.perf_counter() - start
-
-    for program in device.steps.of_kind("verify"):
-        if program.attn_len != attn_len:
-            continue
-        rows, k = program.rows, program.drafts
-        decode = Program("decode", rows, attn_len, feeds_draft=device.steps.draft_model is None)
-        lengths = program_lengths(layout.speculative, layout.verify_variants, k)
-        forced = {n: device.idle_inputs(program, index, busy) for index, n in enumerate(lengths) if n}
-        ratios = {n: [] for n in forced}
-        for _ in range(rounds):
-            plain = seconds(decode, device.idle_inputs(decode, busy=busy))
-            for n, inputs in forced.items():
-                ratios[n].append(seconds(program, inputs) / plain)
-        costs.update({(rows, n): float(np.median(r)) for n, r in ratios.items()})
-    for rows, n in sorted(costs):  # shorter lengths first
-        shorter = [costs[rows, m] for m in range(n) if (rows, m) in costs]
-        costs[rows, n] = max(costs[rows, n], 1.0, *shorter)
-    return costs
-
-
-def may_draft(sampling, constrained: bool) -> bool:
-    """Whether a request's rows may draft: it did not opt out, and it has no penalty or grammar
-    (those would have to follow each draft token inside the step)."""
-    return sampling.speculative is not False and not sampling.penalised and not constrained
-
-
-class Speculation:
-    """The host's side of speculative decoding (see the module docstring): per decode dispatch, a
-    verify program or plain decode steps, from each request's chances and each length's cost.
-
-    α, the chance that a draft token is accepted given the ones before it were, is estimated per
-    request and kind (`chances`): the engine's acceptance of the kind so far (`seen`), scaled by
-    how the request's drafts of every kind fared against the engine's, moved toward its own drafts
-    of the kind as they add up (`Request.draft_record`, decaying). Pooled so, a chat's drafts
-    rejected after one match length lower its chances after every length, and a copy's raise them.
-    A verify step of k drafts is expected to emit 1 + α + ... + α^k tokens for the row, 1 for a
-    row without a draft; the device per step (`best_length`) and the host per dispatch (`_best`)
-    take the length with the most expected tokens per unit of cost. While a request's drafts go
-    unchecked its evidence fades, so one whose drafts failed is tried again after a while. Where
-    the device picks, each slot bucket also keeps the share of its recent verify steps that checked
-    any draft (`useful`): a batch whose steps all decode plainly is spared the program, `USEFUL_FLOOR`.
-    """
-
-    def __init__(self, layout):
-        source, variants = self.source, self.variants = layout.speculative, layout.verify_variants
-        self.lengths: dict[int, list[int]] = {}  # slot bucket -> its draft lengths
-        for rows, k in variants:
-            self.lengths.setdefault(rows, []).append(k)
-        alphas = np.array(DRAFT_SOURCES[source].priors, np.float32)
-        # [kinds, 2]: draft tokens accepted and rejected over all requests (priors: ~10 drafts' worth)
-        self.seen = 10 * np.stack([alphas, 1 - alphas], axis=1)
-        # A verify step's time over a decode step's (`measure_verify_costs` measures them at
-        # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
-        self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
-        self.useful = dict.fromkeys(self.lengths, 1.0)
-
-    def chances(self, record: np.ndarray | None, engine: np.ndarray | None = None) -> np.ndarray:
-        """[kinds]: α per kind for a request with this record (None: no evidence of its own), from
-        the engine's chances (`chances(None)`, derived here unless given)."""
-        engine = self.seen[:, 0] / self.seen.sum(axis=1) if engine is None else engine
-        if record is None:
-            return engine
-        own, (accepted, expected) = record[:-1], record[-1]
-        pooled = np.minimum(engine * (accepted + PRIOR_WEIGHT) / (expected + PRIOR_WEIGHT), HIGHEST_CHANCE)
-        return (own[:, 0] + PRIOR_WEIGHT * pooled) / (own.sum(axis=1) + PRIOR_WEIGHT)
-
-    def feeds_draft(self, holders: list, slot_bucket) -> bool:
-        """Whether a dispatch that is not a verify step (prompt chunks, plain and mixed decode
-        steps) feeds a draft model (`jinfer.draft`: its cache must hold every position for its
-        drafts to be any good): only where a verify step could pay for the batch of every slot's
-        holder (`slot_bucket`: the rows for the highest busy slot + 1) with every drafting request
-        at the engine's chances. Where none could (a batch this large), the dispatch skips the
-        draft's passes, which cost a share of every token, and the requests that drafted stop
-        drafting (the draft's cache now misses positions of theirs)."""
-        rows = slot_bucket(max(slot for slot, r in enumerate(holders) if r is not None) + 1)
-        owners = holders[:rows]
-        speculating = [r for r in owners if r is not None and r.speculative]
-        busy = sum(r is not None for r in owners)
-        alphas = [float(np.max(self.chances(None)))] * len(speculating)
-        if speculating and rows in self.lengths and self._best(rows, busy, alphas)[1] > busy:
-            return True
-        for request in speculating:
-            request.speculative = request.kv.drafted = False
-        return False
-
-    def _best(self, rows: int, busy: int, alphas: list[float]) -> tuple[int, float]:
-        """The draft length with the most expected tokens per unit of cost for `busy` rows, those
-        drafting with chances α, and its tokens per cost."""
-
-        def tokens_per_cost(k):
-            return (busy + sum(sum(a**i for i in range(1, k + 1)) for a in alphas)) / self.cost[rows, k]
-
-        k = max(self.lengths[rows], key=tokens_per_cost)
-        return k, tokens_per_cost(k)
-
-    def choose(self, rows: int, owners: list, steps: int) -> tuple[int, DraftPlan] | None:
-        """A verify dispatch of `steps` steps for the rows [rows] (their owners): its program's
-        draft length and its plan; or None for a plain decode dispatch. Where the device picks
-        lengths, whenever some length could pay with every drafting row at its best kind and the
-        bucket's steps were of use lately; else the length that pays best, if one does."""
-        drafting = np.array([r is not None and r.speculative for r in owners])
-        if rows not in self.lengths or not drafting.any():
-            return None
-        busy = sum(r is not None for r in owners)
-        speculating = [r for r, d in zip(owners, drafting, strict=True) if d]
-        engine, chances = self.chances(None), np.zeros((rows, len(self.seen)), np.float32)
-        for row in np.flatnonzero(drafting):
-            chances[row] = self.chances(owners[row].draft_record, engine)
-        per_step = DRAFT_SOURCES[self.source].per_step
-        alphas = [float(c.max() if per_step else c[0]) for c in chances[drafting]]
-        k, tokens_per_cost = self._best(rows, busy, alphas)
-        if per_step and self.useful[rows] < USEFUL_FLOOR:
-            self.useful[rows] += (1 - self.useful[rows]) * (1 - RELAX**steps)
-        elif tokens_per_cost > busy:
-            k = max(self.lengths[rows]) if per_step else k
-            lengths = program_lengths(self.source, self.variants, k)
-            costs = np.array([self.cost[rows, n] if n else 1.0 for n in lengths], np.float32)
-            return k, DraftPlan(drafting, chances, costs, np.int32(-1))
-        for request in speculating:
-            _fade(request, steps)
-        return None
-
-    def record(self, owners: list, tokens: np.ndarray, steps: int, checked, kinds, counts) -> None:
-        """A verify dispatch's results (its tokens [steps x (k + 1), rows], -1 where none was
-        emitted; the drafts checked and their kinds [steps, rows]) into each request's totals and
-        record, and the engine's `DispatchCounts`. Rows that may not draft (opted out, penalised,
-        constrained) take part without a record: their steps are plain ones to them."""
-        emitted = (tokens.reshape(steps, -1, tokens.shape[-1]) >= 0).sum(axis=1)  # [steps, rows]
-        taken = emitted.any(axis=1)
-        if taken.any():
-            share = float((checked[taken] > 0).any(axis=1).mean())
-            rows = checked.shape[1]
-            self.useful[rows] = RECORD_DECAY * self.useful[rows] + (1 - RECORD_DECAY) * share
-        for row, request in enumerate(owners):
-            if request is None or not request.speculative:
-                continue
-            for step in np.flatnonzero(emitted[:, row]):
-                proposed, accepted = int(checked[step, row]), int(emitted[step, row]) - 1
-                if not proposed:
-                    _fade(request, 1)
-                    continue
-                request.drafted_tokens += proposed
-                request.accepted_tokens += accepted
-                request.verify_steps += 1
-                kind, rejected = kinds[step, row], accepted < proposed
-                engine, record = self.chances(None)[kind], request.draft_record
-                record = np.zeros((len(self.seen) + 1, 2), np.float32) if record is None else record
-                record[kind] = RECORD_DECAY * record[kind] + (accepted, rejected)
-                record[-1] = RECORD_DECAY * record[-1] + (accepted, engine * (accepted + rejected))
-                request.draft_record = record
-                self.seen[kind] = ENGINE_DECAY * self.seen[kind] + (accepted, rejected)
-                counts.draft_tokens += proposed
-                counts.accepted_tokens += accepted
-
-
-def _fade(request, steps: int) -> None:
-    """A request's evidence after `steps` decode steps without a draft checked."""
-    if request.draft_record is not None:
-        request.draft_record = request.draft_record * RELAX**steps

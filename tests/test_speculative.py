@@ -17,10 +17,10 @@ from tiny import VOCAB
 import jinfer
 from jinfer.config import EngineConfig
 from jinfer.loading import CheckpointError
+from jinfer.speculation import DraftRecord, Speculation
 from jinfer.speculative import (
     DRAFT_SOURCES,
     LONGEST_NGRAM,
-    Speculation,
     best_length,
     ngram_drafts,
     program_lengths,
@@ -116,93 +116,90 @@ def test_each_step_takes_the_draft_length_with_the_most_tokens_per_cost():
 
 
 def test_the_host_verifies_where_some_length_could_pay():
-    """Host-side policy on stand-in requests: n-gram rows get the program of every length (the
-    device picks) while their best kind could pay; a draft model's rows get the length that pays
-    best; plain decoding, with a request's evidence fading, where none could; nothing for rows that
-    may not draft."""
-    from types import SimpleNamespace as Row
+    """Host-side policy on requests' records (values it reads and returns): n-gram rows get the
+    program of every length (the device picks) while their best kind could pay; a draft model's
+    rows get the length that pays best; plain decoding, with a request's evidence fading, where
+    none could; nothing for rows that may not draft."""
+    from types import SimpleNamespace as Layout
 
     def policy(source, variants, cost):
-        layout = Row(speculative=source, verify_variants=variants)
-        policy = Speculation(layout)
+        policy = Speculation(Layout(speculative=source, verify_variants=variants))
         policy.cost = cost
         return policy
 
     def evidence(own, pooled=(0.0, 0.0)):
-        """A request's record: per kind (accepted, rejected), then (accepted, expected) of all kinds."""
+        """A request's evidence: per kind (accepted, rejected), then (accepted, expected) of all kinds."""
         return np.array([*own, pooled], np.float32)
 
+    fresh = DraftRecord(drafting=True)
     variants = ((1, 1), (1, 2), (1, 4), (16, 1))
     cost = {(1, 1): 1.3, (1, 2): 1.6, (1, 4): 2.1, (16, 1): 2.0}  # 16x1: 1 + 0.92 of a token, at best
     ngram = policy("ngram", variants, cost)
-    k, plan = ngram.choose(1, [Row(speculative=True, draft_record=None)], steps=4)
-    assert k == 4 and plan.drafting.tolist() == [True] and plan.force == -1
+    (k, plan), records = ngram.choose(1, [fresh], steps=4)
+    assert k == 4 and plan.drafting.tolist() == [True] and plan.force == -1 and records == [fresh]
     assert plan.costs.tolist() == pytest.approx([1.0, 1.3, 1.6, 2.1])  # lengths 0, 1, 2, 4
     assert plan.chances[0].tolist() == pytest.approx(DRAFT_SOURCES["ngram"].priors)
     failing = evidence([[0.0, 5.0]] * LONGEST_NGRAM, pooled=(0.0, 5.0))
-    drifting = Row(speculative=True, draft_record=failing.copy())
-    plain = 0
-    while ngram.choose(1, [drifting], steps=4) is None:
+    drifting, plain = DraftRecord(drafting=True, evidence=failing), 0
+    while (chosen := ngram.choose(1, [drifting], steps=4))[0] is None:
+        (drifting,) = chosen[1]
         plain += 1
         assert plain < 50
-    assert plain >= 3 and (ngram.chances(drifting.draft_record) > ngram.chances(failing)).all()
-    crowd = [Row(speculative=True, draft_record=None) for _ in range(8)] + [None] * 8
-    assert all(ngram.choose(16, crowd, steps=4) is None for _ in range(100))
-    assert crowd[0].draft_record is None
-    assert ngram.choose(1, [Row(speculative=False, draft_record=None)], steps=4) is None
+    assert plain >= 3 and (ngram.chances(drifting.evidence) > ngram.chances(failing)).all()
+    crowd = [fresh] * 8 + [None] * 8
+    assert all(ngram.choose(16, crowd, steps=4) == (None, crowd) for _ in range(100))
+    assert ngram.choose(1, [DraftRecord()], steps=4)[0] is None
     # A bucket whose verify steps all decoded plainly (no draft checked) decodes plainly for a
     # while, then tries again.
     tokens = np.full((4, 5, 1), -1)
     tokens[:, 0] = 7  # each step emitted its first token only
-    counts = Row(draft_tokens=0, accepted_tokens=0)
-    idle = Row(speculative=True, draft_record=None, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
-    while ngram.choose(1, [idle], steps=4) is not None:
-        ngram.record([idle], tokens.reshape(20, 1), 4, np.zeros((4, 1), int), np.zeros((4, 1), int), counts)
+    idle = fresh
+    while ngram.choose(1, [idle], steps=4)[0] is not None:
+        (idle,), tally = ngram.record(
+            [idle], tokens.reshape(20, 1), 4, np.zeros((4, 1), int), np.zeros((4, 1), int)
+        )
+        assert tally.drafted == tally.accepted == 0
     plain = 1
-    while ngram.choose(1, [idle], steps=4) is None:
+    while ngram.choose(1, [idle], steps=4)[0] is None:
         plain += 1
-    assert 1 < plain < 20 and idle.verify_steps == 0 and idle.draft_record is None
+    assert 1 < plain < 20 and idle.verify_steps == 0 and idle.evidence is None
     # A request's drafts rejected after 6-token matches lower its chances after every match
     # length; drafts accepted raise them.
     engine = ngram.chances(None)
-    rejecting = Row(speculative=True, draft_record=None, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
-    ngram.record([rejecting], tokens[:1].reshape(5, 1), 1, np.array([[4]]), np.array([[5]]), counts)
-    assert (ngram.chances(rejecting.draft_record) < engine).all()
-    copying = Row(speculative=True, draft_record=None, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
-    ngram.record([copying], np.full((5, 1), 7), 1, np.array([[4]]), np.array([[5]]), counts)
-    assert (ngram.chances(copying.draft_record) > engine).all()
+    (rejecting,), tally = ngram.record([fresh], tokens[:1].reshape(5, 1), 1, np.array([[4]]), np.array([[5]]))
+    assert (ngram.chances(rejecting.evidence) < engine).all() and (tally.drafted, tally.accepted) == (4, 0)
+    (copying,), tally = ngram.record([fresh], np.full((5, 1), 7), 1, np.array([[4]]), np.array([[5]]))
+    assert (ngram.chances(copying.evidence) > engine).all() and (tally.drafted, tally.accepted) == (4, 4)
+    assert fresh.evidence is None and fresh.drafted == 0  # the records given are left as they were
     # Fresh requests start from the acceptance the engine has seen: drafts after 6-token matches
     # rejected again and again lower a newcomer's chance for them.
     for _ in range(10):
-        ngram.record([idle], tokens.reshape(20, 1), 4, np.full((4, 1), 4), np.full((4, 1), 5), counts)
-    assert idle.verify_steps == 40 and idle.accepted_tokens == 0
-    fresh = ngram.choose(1, [Row(speculative=True, draft_record=None)], steps=4)[1].chances[0]
-    assert fresh[5] < 0.5 < DRAFT_SOURCES["ngram"].priors[5]
-    assert fresh[:5] == pytest.approx(plan.chances[0][:5])
+        (idle,), _ = ngram.record([idle], tokens.reshape(20, 1), 4, np.full((4, 1), 4), np.full((4, 1), 5))
+    assert idle.verify_steps == 40 and idle.accepted == 0 and idle.drafted == 160
+    newcomer = ngram.choose(1, [fresh], steps=4)[0][1].chances[0]
+    assert newcomer[5] < 0.5 < DRAFT_SOURCES["ngram"].priors[5]
+    assert newcomer[:5] == pytest.approx(plan.chances[0][:5])
 
     model = policy("draft", variants, cost)
-    copying = Row(speculative=True, draft_record=evidence([[40.0, 1.0]]))
-    k, plan = model.choose(1, [copying], steps=4)
+    copying = DraftRecord(drafting=True, evidence=evidence([[40.0, 1.0]]))
+    (k, plan), _ = model.choose(1, [copying], steps=4)
     assert k == 4 and plan.costs.tolist() == pytest.approx([2.1])
-    agreeing = evidence([[3.0, 3.0]])  # α (3 + 2 x 0.9) / (6 + 2) = 0.6
-    k, _ = model.choose(1, [Row(speculative=True, draft_record=agreeing)], steps=4)
-    assert k == 1  # (1 + 0.6) / 1.3 beats 2 and 4 drafts
+    agreeing = DraftRecord(drafting=True, evidence=evidence([[3.0, 3.0]]))  # α (3 + 2 x 0.9) / (6 + 2) = 0.6
+    assert model.choose(1, [agreeing], steps=4)[0][0] == 1  # (1 + 0.6) / 1.3 beats 2 and 4 drafts
     # Where its passes are dear (the embedded Q4_1 file drafting for its float32 self), a fresh
     # request tries the draft model anyway; one whose drafts agree at 0.6 does not.
     dear = policy(
         "draft", ((1, 1), (1, 2), (1, 4), (1, 8)), {(1, 1): 1.9, (1, 2): 2.4, (1, 4): 3.7, (1, 8): 4.9}
     )
-    assert dear.choose(1, [Row(speculative=True, draft_record=None)], steps=4)[0] == 8
-    assert dear.choose(1, [Row(speculative=True, draft_record=agreeing)], steps=4) is None
+    assert dear.choose(1, [fresh], steps=4)[0][0] == 8
+    assert dear.choose(1, [agreeing], steps=4)[0] is None
     # A draft model is fed by plain steps only where a verify step could pay at the engine's
-    # chances; where none could, its requests stop drafting (and caching pages as holding the draft's K/V).
-    drafting = lambda: Row(speculative=True, draft_record=None, kv=Row(drafted=True))
-    alone, crowd = drafting(), [drafting()] * 8
+    # chances; where none could, its requests' records stop drafting.
     bucket = lambda busy: next(b for b in (1, 4, 16, 32) if b >= busy)
-    assert model.feeds_draft([alone, *[None] * 31], bucket) and alone.speculative and alone.kv.drafted
-    assert not model.feeds_draft([*crowd, *[None] * 24], bucket)
-    assert not crowd[0].speculative and not crowd[0].kv.drafted
-    assert not model.feeds_draft([*[None] * 31, alone], bucket) and not alone.speculative  # none at 32
+    assert model.feeds_draft([fresh, *[None] * 31], bucket) == (True, [fresh, *[None] * 31])
+    feeds, records = model.feeds_draft([fresh] * 8 + [None] * 24, bucket)
+    assert not feeds and [r.drafting for r in records[:8]] == [False] * 8 and records[8:] == [None] * 24
+    assert not model.feeds_draft([*[None] * 31, fresh], bucket)[0]  # none pays at 32
 
 
 def test_layout_compiles_draft_lengths_within_the_kernels_columns(tiny_model):
@@ -307,10 +304,10 @@ def test_each_step_of_a_dispatch_takes_its_own_draft_length(pair, monkeypatch):
     dispatches = []  # per verify dispatch, its steps' drafts checked (the request alone: row 0)
     record = policy.record
 
-    def recording(owners, tokens, steps, checked, kinds, counts):
+    def recording(records, tokens, steps, checked, kinds):
         emitted = (tokens.reshape(steps, -1, tokens.shape[-1]) >= 0).sum(axis=1)
         dispatches.append([int(checked[step, 0]) for step in range(steps) if emitted[step, 0]])
-        return record(owners, tokens, steps, checked, kinds, counts)
+        return record(records, tokens, steps, checked, kinds)
 
     monkeypatch.setattr(policy, "record", recording)
     prompt, sampling = _repeating(21, 40), dataclasses.replace(GREEDY, max_tokens=60)
