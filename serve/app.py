@@ -36,7 +36,7 @@ from jinfer.structured import has_constraint
 
 from .bridge import EngineBridge
 from .protocol import APIError, GenerationRequest, Submission, api_param, parse_generation, parse_json_object
-from .responses import ResponseWriter, now, usage
+from .responses import ResponseWriter, WriterContext, now, usage
 from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
 from .tokens import detokenize, tokenize
@@ -85,8 +85,9 @@ def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-class JinferAPI(ResponseWriter, ResponsesWriter):
-    """Route handlers over one engine."""
+class JinferAPI:
+    """Route handlers over one engine; responses are written by its writers (`serve/responses.py`,
+    `serve/responses_api.py`), made at startup with the bridge."""
 
     def __init__(
         self,
@@ -108,6 +109,8 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         self.tokenizer = engine.tokenizer
         self.preparer = engine.preparer
         self.bridge: EngineBridge | None = None  # created on the event loop at startup
+        self.writer: ResponseWriter | None = None  # ... and the writers, which cancel through it
+        self.responses_writer: ResponsesWriter | None = None
         self.metrics = ServingMetrics(engine.stats, lambda: engine.dispatch_counts)
         self.ready = False
         self.draining = False
@@ -117,6 +120,11 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         """Create the bridge and start the warm-up in the background: the server answers at once
         (/health 200, /ready and generation 503) and serves once every step is compiled."""
         self.bridge = EngineBridge(self.engine, self.metrics.observe_finished)
+        context = WriterContext(
+            self.engine, self.bridge, self.settings, self.model_name, lambda: self.fingerprint
+        )
+        self.writer = ResponseWriter(context)
+        self.responses_writer = ResponsesWriter(context, self.writer)
         self._warmup = asyncio.create_task(self._warm_up())
 
     async def _warm_up(self) -> None:
@@ -284,12 +292,12 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         req = parse_generation(await self._body(request), kind, self._max_n)
         self._check_model(req.model)
         if req.score_only:
-            return await self._score_only(req, [p.prompt_ids for p in await self._prepared(req)])
+            return await self.writer.score_only(req, [p.prompt_ids for p in await self._prepared(req)])
         queue: asyncio.Queue = asyncio.Queue()
         submitted = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
-            return _event_stream(self._sse(req, queue, submitted))
-        return await self._complete(request, req, queue, submitted)
+            return _event_stream(self.writer.sse(req, queue, submitted))
+        return await self.writer.complete(request, req, queue, submitted)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as a chat (serve/responses_api.py)."""
@@ -300,8 +308,8 @@ class JinferAPI(ResponseWriter, ResponsesWriter):
         queue: asyncio.Queue = asyncio.Queue()
         submitted = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
-            return _event_stream(self._response_events(req, body, queue, submitted))
-        return await self._respond(request, req, body, queue, submitted)
+            return _event_stream(self.responses_writer.response_events(req, body, queue, submitted))
+        return await self.responses_writer.respond(request, req, body, queue, submitted)
 
     # ----------------------------------------------------------------------- websocket
     async def websocket(self, ws: WebSocket) -> None:

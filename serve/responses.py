@@ -1,16 +1,17 @@
 """Engine events in, OpenAI response bodies out: the whole body of a non-streaming request
-(`_complete`, which cancels the request if the client goes away), and the Server-Sent Events of a
-streaming one (`_sse`) with its buffering policy (`_next_batch`: up to --stream-max-tokens tokens
+(`complete`, which cancels the request if the client goes away), and the Server-Sent Events of a
+streaming one (`sse`) with its buffering policy (`next_batch`: up to --stream-max-tokens tokens
 or --stream-max-delay-ms per event, keep-alive comments after --keepalive-s of silence).
 
-`ResponseWriter` is the part of `JinferAPI` that writes responses; it reads the API's settings,
-model name, tokenizer and bridge. The pieces every body shares (ids, timestamps, log-probs, usage,
-timings) come first.
+`ResponseWriter` writes them from what a `WriterContext` names (the engine, the bridge, the
+settings, the served name, the fingerprint); `JinferAPI` holds one. The pieces every body shares
+(ids, timestamps, log-probs, usage, timings) come first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -197,7 +198,32 @@ class StreamedChoice:
         return [writer.chunk(index, text, None, entries)] if text or entries else []
 
 
+@dataclasses.dataclass
+class WriterContext:
+    """What the response writers read, named: the engine (its tokenizer and preparer, scoring,
+    failure), the bridge (cancelling), the streaming settings, the served name, and the
+    system fingerprint (computed during the warm-up, so read when a response is written)."""
+
+    engine: Any
+    bridge: Any
+    settings: Any
+    model_name: str
+    fingerprint: Any  # () -> str | None
+
+
 class ResponseWriter:
+    """Completions and chat responses: whole bodies and their Server-Sent Events, and the buffering
+    policy every stream of the server reads events by (`next_batch`)."""
+
+    def __init__(self, context: WriterContext):
+        self.context, self.engine, self.bridge = context, context.engine, context.bridge
+        self.settings, self.model_name = context.settings, context.model_name
+        self.tokenizer, self.preparer = context.engine.tokenizer, context.engine.preparer
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.context.fingerprint()
+
     async def _prompt_entries(self, req, prompt_ids: list[list[int]]) -> list[list[dict]]:
         """Log-prob entries of each prompt (scored once, whatever its n), for echo with logprobs;
         the first token has none: nothing comes before it. Choice i's are [i // n]."""
@@ -215,7 +241,7 @@ class ResponseWriter:
             out.append(entries)
         return out
 
-    async def _score_only(self, req, prompt_ids) -> Response:
+    async def score_only(self, req, prompt_ids) -> Response:
         """echo with max_tokens 0: each prompt back with its log-probs, nothing generated."""
         body_choices = []
         scored = await self._prompt_entries(req, prompt_ids) if req.top_logprobs is not None else None
@@ -237,9 +263,9 @@ class ResponseWriter:
         }
         return JSONResponse(body)
 
-    async def _complete(self, request, req, queue, submitted: Submission) -> Response:
+    async def complete(self, request, req, queue, submitted: Submission) -> Response:
         """The whole response body of a completions or chat request."""
-        choices = await self._collect(request, req, queue, submitted.request_ids)
+        choices = await self.collect(request, req, queue, submitted.request_ids)
         prompt_ids = submitted.prompt_ids
         failed = [c["final"] for c in choices if c["final"].finish_reason == "error"]
         if failed and self.engine.failure is not None:  # not this request's fault: it may be retried
@@ -286,7 +312,7 @@ class ResponseWriter:
         }
         return JSONResponse(body)
 
-    async def _collect(self, request, req, queue, request_ids) -> list[dict]:
+    async def collect(self, request, req, queue, request_ids) -> list[dict]:
         """Wait for every choice (its text pieces, log-prob entries and final event); a client
         that goes away cancels them."""
         choices = [{"text": [], "entries": [], "final": None} for _ in range(req.choices)]
@@ -319,7 +345,7 @@ class ResponseWriter:
         prompt = req.prompts[index // req.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    async def _sse(self, req, queue, submitted: Submission):
+    async def sse(self, req, queue, submitted: Submission):
         """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
         token_bytes = lambda token: self.preparer.grammars.token_bytes(token)
         writer = ChunkWriter(req, submitted.seed, self.model_name, self.fingerprint, token_bytes)
@@ -335,7 +361,7 @@ class ResponseWriter:
                     entries = scored[index // req.n] if scored is not None else None
                     yield writer.chunk(index, text=self._prompt_text(req, index), entries=entries)
             while not all(choice.final for choice in choices):
-                events = await self._next_batch(queue)
+                events = await self.next_batch(queue)
                 if events is None:
                     yield ": keep-alive\n\n"
                     continue
@@ -352,7 +378,7 @@ class ResponseWriter:
             for request_id in submitted.request_ids:
                 self.bridge.cancel(request_id)
 
-    async def _next_batch(self, queue: asyncio.Queue):
+    async def next_batch(self, queue: asyncio.Queue):
         """Events to send in one SSE write, per the buffering policy; None after keep-alive silence."""
         settings = self.settings
         try:

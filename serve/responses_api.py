@@ -5,7 +5,7 @@ A Responses body is translated into a chat-completions one (`chat_body`: `instru
 `tool_calls` and `tool` messages, `max_output_tokens`, `text.format`, the flat function tools and
 `truncation` their chat spellings), which `parse_generation` and the request-preparation path then
 check and the engine runs like any chat. The result is written back as a Response object
-(`ResponsesWriter._respond`) or as its stream of typed events (`_response_events`).
+(`ResponsesWriter.respond`) or as its stream of typed events (`response_events`).
 
 Stateless: `previous_response_id`, `conversation` and `background` are refused with a 400 naming
 them; `store` is accepted and changes nothing (no response is kept to be fetched later).
@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 from jinfer.tools import ToolStream, finish_output, finish_reason
 
 from .protocol import NO_EFFECT_FIELDS, APIError, Submission
-from .responses import now
+from .responses import ResponseWriter, WriterContext, now
 
 REFUSED = {
     "previous_response_id": "responses are not stored: send the whole conversation as input",
@@ -226,7 +226,16 @@ class ResponseEvents:
 
 
 class ResponsesWriter:
-    """The part of the API that writes Response objects and their events."""
+    """Response objects and their events, read from a request's events as `streams` (the
+    completions writer) reads them."""
+
+    def __init__(self, context: WriterContext, streams: ResponseWriter):
+        self.context, self.streams, self.bridge = context, streams, context.bridge
+        self.model_name = context.model_name
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.context.fingerprint()
 
     def _output_items(self, tool_use, text: str, reason: str) -> list[dict[str, Any]]:
         """A finished choice as output items: the message (if it has text), then its calls."""
@@ -301,15 +310,15 @@ class ResponsesWriter:
     def _status(final) -> str:
         return {"length": "incomplete", "error": "failed"}.get(final.finish_reason, "completed")
 
-    async def _respond(self, request, req, body, queue, submitted: Submission) -> JSONResponse:
-        (choice,) = await self._collect(request, req, queue, submitted.request_ids)
+    async def respond(self, request, req, body, queue, submitted: Submission) -> JSONResponse:
+        (choice,) = await self.streams.collect(request, req, queue, submitted.request_ids)
         final = choice["final"]
         output = self._output_items(submitted.tool_use, "".join(choice["text"]), final.finish_reason)
         status = self._status(final)
         response = self._response(req, body, submitted.seed, _new_id("resp"), now(), status, output, final)
         return JSONResponse(response)
 
-    async def _response_events(self, req, body, queue, submitted: Submission):
+    async def response_events(self, req, body, queue, submitted: Submission):
         """The Response's typed events (`event:` and `data:` lines), created to completed."""
         stream = ResponseEvents(self._message_item, self._call_item)
         response_id, created = _new_id("resp"), now()
@@ -320,7 +329,7 @@ class ResponsesWriter:
             yield stream.event("response.in_progress", response=start)
             final, calls = None, []
             while final is None:
-                events = await self._next_batch(queue)
+                events = await self.streams.next_batch(queue)
                 if events is None:
                     yield ": keep-alive\n\n"
                     continue

@@ -2,14 +2,15 @@
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from tiny import train_tokenizer
 
 from jinfer import SamplingParams, load_tokenizer
 from jinfer.request import RequestOutput
-from jinfer_serve.app import JinferAPI
 from jinfer_serve.protocol import GenerationRequest, Submission
+from jinfer_serve.responses import ResponseWriter, WriterContext
 from jinfer_serve.settings import ServerConfig
 
 
@@ -29,10 +30,10 @@ def tokenizer(tmp_path_factory):
 
 
 def _api(tokenizer, **settings):
-    api = JinferAPI.__new__(JinferAPI)  # the SSE writer needs only these parts
-    api.settings, api.tokenizer, api.bridge = ServerConfig(**settings), tokenizer, _Bridge()
-    api.model_name, api.fingerprint = "tiny", "fp_test"
-    return api
+    """The completions writer over a stand-in engine (a tokenizer, no preparer: no log-probs)."""
+    engine = SimpleNamespace(tokenizer=tokenizer, preparer=None)
+    context = WriterContext(engine, _Bridge(), ServerConfig(**settings), "tiny", lambda: "fp_test")
+    return ResponseWriter(context)
 
 
 def _request():
@@ -56,7 +57,7 @@ async def _collect(api, schedule):
             queue.put_nowait((0, event))
 
     feeder = asyncio.create_task(feed())
-    frames = [frame async for frame in api._sse(_request(), queue, Submission(["r1"], [[1]], 0))]
+    frames = [frame async for frame in api.sse(_request(), queue, Submission(["r1"], [[1]], 0))]
     await feeder
     return frames
 
