@@ -32,7 +32,7 @@ import numpy as np
 from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
 from jinfer.config import EngineConfig, dispatch_steps
-from jinfer.inputs import Program, RowInputs, RowProcessor, row_inputs
+from jinfer.inputs import Program, RowInputs, RowProcessor, processor_inputs, row_inputs
 from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
 from jinfer.paging import SINK_PAGE, SequencePages
@@ -165,7 +165,8 @@ class Engine:
         *,
         request_id: str | None = None,
     ) -> Request:
-        """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check."""
+        """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check
+        but its inputs to the registered processors (a RequestError)."""
         sampling = prepared.sampling
         drafting = self.speculation is not None and may_draft(sampling, prepared.grammar is not None)
         return Request(
@@ -184,6 +185,7 @@ class Engine:
             kv=SequencePages(prepared.cache_salt, drafted=drafting and self.steps.draft_model is not None),
             constraint=prepared.grammar.start() if prepared.grammar is not None else None,
             drafts=DraftRecord(drafting=drafting),
+            processor_inputs=processor_inputs(self.steps.processors, prepared),
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinfer.sampling import StepOutput
+from jinfer.sampling import RequestError, StepOutput
 from jinfer.sharding import DATA
 
 
@@ -49,11 +49,12 @@ class InputSpec(NamedTuple):
 
 class RowProcessor(NamedTuple):
     """A logits processor with an input per row, registered when the engine is built: its
-    declaration (`spec`, axes beginning with "rows"), where a row's value comes from (`of_request`:
-    a request -> its value, e.g. from `SamplingParams.extra_args`; rows without a request get the
-    neutral value) and its one use (`apply`: logits [N, V], values [N, ...] -> logits [N, V], a
-    pure JAX function applied in `sampling.process` after the logit bias, in every step that
-    samples). Rows that leave it neutral must come out unchanged."""
+    declaration (`spec`: axes "rows" then fixed sizes), where a request's value comes from
+    (`of_request`: a prepared request -> its value, e.g. from `SamplingParams.extra_args`; taken
+    and checked once, when the request is submitted; rows without a request get the neutral
+    value) and its one use (`apply`: logits [N, V], values [N, ...] -> logits [N, V], a pure JAX
+    function applied in `sampling.process` after the logit bias, in every step that samples).
+    Rows that leave it neutral must come out unchanged."""
 
     name: str
     spec: InputSpec
@@ -141,16 +142,34 @@ def neutral_inputs(
     return jax.tree.map(make, _declared(plan, processors), is_leaf=_is_spec)
 
 
+def processor_inputs(processors: Sequence[RowProcessor], prepared) -> dict[str, np.ndarray]:
+    """Each registered processor's value for a prepared request (`RowProcessor.of_request`),
+    checked against its declaration: a RequestError naming extra_args where one does not fit, so
+    that nothing wrong reaches a dispatch."""
+    out = {}
+    for processor in processors:
+        spec = processor.spec
+        try:
+            value = np.asarray(processor.of_request(prepared), spec.dtype)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise RequestError(f"extra_args for the {processor.name} processor: {e}", "extra_args") from None
+        if value.shape != spec.axes[1:]:
+            shapes = f"shape {value.shape}, not {spec.axes[1:]}"
+            raise RequestError(f"extra_args for the {processor.name} processor give {shapes}", "extra_args")
+        out[processor.name] = value
+    return out
+
+
 def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -> RowInputs:
     """The inputs of a dispatch of one row per owner (a request, or None for a row without one):
     the dispatch's own `fields` as given, each registered processor's values from its rows'
-    requests (`RowProcessor.of_request`), everything else neutral."""
+    requests (`Request.processor_inputs`), everything else neutral."""
     inputs = neutral_inputs(len(owners), processors=processors)
     for processor in processors:
         values = inputs.processors[processor.name]
         for row, request in enumerate(owners):
             if request is not None:
-                values[row] = processor.of_request(request)
+                values[row] = request.processor_inputs[processor.name]
     return inputs.replace(**fields)
 
 

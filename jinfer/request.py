@@ -67,6 +67,7 @@ class Request:
     # Its speculation: whether it drafts, its drafts' fate so far (`jinfer.speculation`'s value,
     # stored by the scheduler).
     drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)
+    processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # `inputs.processor_inputs`
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)

@@ -16,6 +16,7 @@ from tiny import VOCAB
 import jinfer
 from jinfer.cluster import decode, encode
 from jinfer.inputs import InputSpec, RowProcessor
+from jinfer.sampling import RequestError
 
 # The whole feature: its input (a token and an amount per row; neutral: nothing added), where a
 # request's value comes from, and its use on the logits.
@@ -96,6 +97,16 @@ def test_rows_that_leave_it_neutral_are_unchanged_and_a_large_offset_decides(eng
     assert without == [c.token_ids for c in engines["plain"].generate(prompts, samplings)]
     (forced,) = engines["mixed"].generate(prompts[:1], [_offset(GREEDY, amount=1000.0)])
     assert forced.token_ids == [TOKEN] * GREEDY.max_tokens  # the first from the prompt step
+
+
+def test_an_input_that_does_not_fit_its_declaration_is_refused_before_the_engine(engines):
+    llm = engines["mixed"]
+    bad = dataclasses.replace(GREEDY, extra_args={"logit_offset": (1, 2, 3)})
+    with pytest.raises(RequestError, match="logit_offset processor give shape"):
+        llm.generate([_prompt(1, 9)], [bad])
+    assert llm.engine.stats()["slots_in_use"] == 0 and not llm.engine.scheduler.has_work
+    (after,) = llm.generate([_prompt(1, 9)], [GREEDY])
+    assert after.finish_reason == "length"
 
 
 def test_a_follower_replaying_the_calls_holds_the_same_cache_and_state(tiny_model):
