@@ -2,6 +2,8 @@
 cache it replaced), paired, at each page size asked for.
 
     python scripts/bench_paged_decode.py --baseline bd7b873 --page-sizes 16,64 --rounds 3
+    python scripts/bench_paged_decode.py --baseline 027854f --page-sizes 64 \
+        --baseline-options '{"page_size": 64, "quantization": "none"}'   # a paged revision: same engine
 
 Each variant (the baseline revision, checked out with `git worktree` into a temporary folder, and
 this tree at each page size) runs in a process of its own that loads the embedded SmolLM2-135M
@@ -163,6 +165,11 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--baseline", required=False, help="the revision to compare against (git)")
+    parser.add_argument(
+        "--baseline-options",
+        default="{}",
+        help="the baseline's engine options, JSON (for a paged one: the page size, float weights)",
+    )
     parser.add_argument("--page-sizes", default="16")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -178,7 +185,7 @@ def main() -> int:
     bandwidth = measure_ceiling()["bandwidth_gb_s"] * 1e9
     with _worktree(args.baseline) as baseline_tree:
         progress("starting the variants' processes (each loads the model)")
-        variants = {"baseline": Variant(baseline_tree, {})}
+        variants = {"baseline": Variant(baseline_tree, json.loads(args.baseline_options))}
         for size in args.page_sizes.split(","):
             # Float weights, as the slot-layout baseline holds them: this compares the KV layouts.
             variants[f"page {size}"] = Variant(here, {"page_size": int(size), "quantization": "none"})
