@@ -54,7 +54,7 @@ from jinfer.draft import model_drafts, run_model
 from jinfer.inputs import DispatchOutput, DraftPlan
 from jinfer.models import llama
 from jinfer.sampling import pick, process
-from jinfer.state import SlotState, advance_rows, sample_rows, scan_rows
+from jinfer.state import RowStep, SlotState, advance_rows, sample_rows, scan_rows
 
 LONGEST_NGRAM = 6  # the longest suffix looked up; shorter ones only when it has no earlier match
 
@@ -175,11 +175,8 @@ def verify_step(
     cache,
     state,
     tables,
-    active,
+    step: RowStep,
     plan: DraftPlan,
-    deferred,
-    want_logprobs,
-    processing,
     *,
     cfg,
     vocab,
@@ -188,25 +185,23 @@ def verify_step(
     draft_cfg=None,
     **attention,
 ):
-    """One verify step for the state's rows (active, deferred [rows] bool) at the draft length
+    """One verify step for the state's rows (`step`) at the draft length
     `best_length` picks of `lengths` (or the plan's forced one): the cache, the rows' state, their
     output [k + 1, rows] (k the longest length; tokens -1 where not emitted), the drafts checked
     [rows] and their kind [rows]. A deferred row (a grammar's) is fed and its position-0 logits
-    kept, as a decode step does. params and cache are `jinfer.weights`' trees; `processing`: the
-    rows' registered processors (`RowInputs.processing`)."""
-    k = max(lengths)
+    kept, as a decode step does. params and cache are `jinfer.weights`' trees."""
+    k, active = max(lengths), step.active
     options = {"draft_cfg": draft_cfg, "vocab": vocab, **attention}
     source = DRAFT_SOURCES[source].draft
     drafts, real, kind, cache = source(params, cache, state, tables, active, k, **options)
-    real &= (plan.drafting & active & ~deferred)[:, None]
-    best = best_length(lengths, plan.costs, plan.chances, kind, real, active & ~deferred)
+    real &= (plan.drafting & step.sampled)[:, None]
+    best = best_length(lengths, plan.costs, plan.chances, kind, real, step.sampled)
     chosen = jnp.where(plan.force >= 0, plan.force, best)
 
     def at_length(n):
         def run(carry):
             cache, state, _, _ = carry
-            rows = (active, deferred, want_logprobs, processing, drafts[:, :n], real[:, :n])
-            one = (params, cache, state, tables, *rows)
+            one = (params, cache, state, tables, step, drafts[:, :n], real[:, :n])
             cache, state, out, checked = _check_drafts(*one, cfg=cfg, vocab=vocab, **attention)
             pad = lambda a, fill: jnp.concatenate([a, jnp.full((k - n, *a.shape[1:]), fill, a.dtype)])
             out = jax.tree.map(lambda a: pad(a, 0), out).replace(tokens=pad(out.tokens, -1))
@@ -225,29 +220,14 @@ def verify_step(
     return cache, state, out, checked, kind
 
 
-def _check_drafts(
-    params,
-    cache,
-    state,
-    tables,
-    active,
-    deferred,
-    want_logprobs,
-    processing,
-    drafts,
-    real,
-    *,
-    cfg,
-    vocab,
-    **attention,
-):
+def _check_drafts(params, cache, state, tables, step: RowStep, drafts, real, *, cfg, vocab, **attention):
     """The target's pass over each row's last token and its drafts [rows, k] (k may be 0: a plain
     decode step), then the tokens decoding would sample at those positions, the leading drafts
     they agree with accepted: the cache, the state, the output [k + 1, rows] and the drafts
     checked per row [rows]."""
-    rows, k = drafts.shape
+    (rows, k), deferred, sampled = drafts.shape, step.deferred, step.sampled
     tokens = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
-    group = llama.TokenGroup.of_rows(tokens, state.positions, active)
+    group = llama.TokenGroup.of_rows(tokens, state.positions, step.active)
     # The target's pass only: the draft model (if any) wrote its K/V while drafting.
     (hidden,), cache = run_model(params, (group,), cfg, cache, tables, **attention)
     logits = llama.logits(params.target, hidden)[..., :vocab]  # [rows, k + 1, V]
@@ -255,10 +235,10 @@ def _check_drafts(
     kept = jax.lax.cond(
         jnp.any(deferred), lambda: jnp.where(deferred[:, None], first, state.logits), lambda: state.logits
     )
-    sampled = active & ~deferred
-    state, out0 = sample_rows(state.replace(logits=kept), first, None, sampled, want_logprobs, processing)
+    kept_state = state.replace(logits=kept)
+    state, out0 = sample_rows(kept_state, first, None, sampled, step.want_logprobs, step.processing)
     if k:
-        later, outs = _later_positions(state, logits[:, 1:], want_logprobs, processing)
+        later, outs = _later_positions(state, logits[:, 1:], step.want_logprobs, step.processing)
         state, taken = _advance(state, drafts, real, later.reshape(rows, k), sampled)
         later_out = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(rows, k, *a.shape[1:]), 0, 1), outs)
         out = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, later_out)
@@ -290,8 +270,10 @@ def verify(params, cache, state, tables, inputs, chunk: None, *, steps, processo
     processing = inputs.processing(processors)
 
     def step(cache, part, active, deferred):
-        rows = (active, inputs.plan, deferred, inputs.want_logprobs, processing)
-        cache, part, out, checked, kind = verify_step(params, cache, part, tables, *rows, **options)
+        rows = RowStep(active, deferred, inputs.want_logprobs, processing)
+        cache, part, out, checked, kind = verify_step(
+            params, cache, part, tables, rows, inputs.plan, **options
+        )
         return cache, part, (out, checked, kind)
 
     cache, state, (outs, checked, kinds) = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)

@@ -105,6 +105,22 @@ def put_rows(full: SlotState, part: SlotState) -> SlotState:
     return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
 
 
+class RowStep(NamedTuple):
+    """What one step of a decode or verify program knows of its rows: which take part (active
+    [rows] bool), which are fed but not sampled (deferred [rows] bool, a grammar's), whether
+    log-probs are wanted, and the registered processors' (function, values) pairs
+    (`RowInputs.processing`)."""
+
+    active: jax.Array
+    deferred: jax.Array
+    want_logprobs: jax.Array
+    processing: tuple = ()
+
+    @property
+    def sampled(self) -> jax.Array:
+        return self.active & ~self.deferred
+
+
 def scan_rows(step, cache, state: SlotState, row_steps, deferred, steps: int):
     """`steps` steps for slots 0..rows-1 (`lax.scan`; rows = len(row_steps)): `step(cache,
     rows_state, active, deferred) -> cache, rows_state, output`, slot i active in the first

@@ -81,6 +81,7 @@ from jinfer.speculative import program_lengths, verify, verify_programs
 from jinfer.state import (
     PackedChunk,
     PrefillChunk,
+    RowStep,
     SlotState,
     new_state,
     put_rows,
@@ -191,30 +192,14 @@ def _prefill(
     return cache, state, DispatchOutput(rows=None, chunk=out)
 
 
-def _decode_step(
-    params,
-    cache,
-    state,
-    tables,
-    active,
-    deferred,
-    want_logprobs,
-    chunk,
-    processing,
-    *,
-    cfg,
-    vocab,
-    draft_cfg,
-    **attention,
-):
-    """One decode step for the state's rows (slots 0..rows-1; active and deferred [rows] bool),
-    carrying a prompt chunk when there is one: every weight is read once for both. Deferred rows
-    keep their logits in the state (written only when some row is deferred) instead of sampling.
-    `processing`: the rows' registered processors (`RowInputs.processing`).
-    Returns the cache, the rows' state, their output [rows] and the chunk's last logits [1, V]
-    (None without a chunk). `attention`: attn_len and attention_kernel."""
-    rows = active.shape[0]
-    groups = [llama.TokenGroup.of_rows(state.tokens[:, None], state.positions, active)]
+def _decode_step(params, cache, state, tables, step: RowStep, chunk, *, cfg, vocab, draft_cfg, **attention):
+    """One decode step for the state's rows (slots 0..rows-1, `step`), carrying a prompt chunk
+    when there is one: every weight is read once for both. Deferred rows keep their logits in the
+    state (written only when some row is deferred) instead of sampling. Returns the cache, the
+    rows' state, their output [rows] and the chunk's last logits [1, V] (None without a chunk).
+    `attention`: attn_len and attention_kernel."""
+    rows, deferred = step.active.shape[0], step.deferred
+    groups = [llama.TokenGroup.of_rows(state.tokens[:, None], state.positions, step.active)]
     if chunk is not None:
         groups.append(_chunk_group(chunk))
     hidden, cache = run_model(params, groups, cfg, cache, tables, draft_cfg=draft_cfg, **attention)
@@ -240,8 +225,9 @@ def _decode_step(
         lambda: jnp.where(deferred[:, None], logits, state.logits),
         lambda: state.logits,
     )
-    sampled = active & ~deferred
-    state, out = sample_rows(state.replace(logits=kept), logits, None, sampled, want_logprobs, processing)
+    state, out = sample_rows(
+        state.replace(logits=kept), logits, None, step.sampled, step.want_logprobs, step.processing
+    )
     return cache, state, out, chunk_logits
 
 
@@ -254,8 +240,8 @@ def _decode(
     processing = inputs.processing(processors)
 
     def step(cache, part, active, deferred):
-        rows = (active, deferred, inputs.want_logprobs, None, processing)
-        cache, part, out, _ = _decode_step(params, cache, part, tables, *rows, **step_options)
+        rows = RowStep(active, deferred, inputs.want_logprobs, processing)
+        cache, part, out, _ = _decode_step(params, cache, part, tables, rows, None, **step_options)
         return cache, part, out
 
     cache, state, outs = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)
@@ -272,9 +258,9 @@ def _mixed(
     chunk, rows = packed.unpack(), inputs.rows - 1
     part = rows_of(state, rows)
     active, deferred = inputs.steps[:rows] > 0, inputs.deferred[:rows]
-    decoding = (active, deferred, inputs.want_logprobs, chunk, inputs.processing(processors, slice(0, rows)))
+    decoding = RowStep(active, deferred, inputs.want_logprobs, inputs.processing(processors, slice(0, rows)))
     cache, part, out, chunk_logits = _decode_step(
-        params, cache, part, tables, *decoding, vocab=vocab, **options
+        params, cache, part, tables, decoding, chunk, vocab=vocab, **options
     )
     state = put_rows(state, part)  # before the chunk's slot starts: it is not among the rows
     starting = (inputs.allowed, vocab, inputs.want_logprobs, inputs.processing(processors, slice(rows, None)))
