@@ -104,16 +104,20 @@ def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0, divide: bool = False) -> jax.Array:
     """RMSNorm of x over `axis` (features; axis 0 for decoder columns [D, N]), scaled by weight.
-    Each column's bits do not depend on the other columns (`fixed_order_sum`). `divide`: by a
-    square root both correctly rounded, where XLA:CPU would fuse rsqrt into code whose shape
-    depends on the step's token count (the q/k norms, fused into the cache write: on an AVX2 CPU a
-    one-token step's scalar rsqrt gave other bits than a longer step's vector code)."""
+    Each column's bits do not depend on the other columns: the sum has a fixed order
+    (`fixed_order_sum`) and no product feeds an add in the same fused loop, because XLA:CPU lets
+    LLVM contract a * b + c into one FMA and whether it does depends on the loop's shape (on an
+    AVX2 CPU a one-token step's scalar code contracted other pairs than a two-token step's). So the
+    squares are stored before they are summed, and eps joins the sum before the division.
+    `divide`: by a square root both correctly rounded, where XLA:CPU would fuse rsqrt into code
+    whose shape depends on the step's token count (the q/k norms, fused into the cache write)."""
     xf = x.astype(jnp.float32)
-    mean_square = fixed_order_sum(xf * xf, axis) / x.shape[axis]
+    squares = jax.lax.optimization_barrier(xf * xf)
+    mean_square = (fixed_order_sum(squares, axis) + eps * x.shape[axis]) / x.shape[axis]
     if divide:  # the barrier keeps XLA from rewriting x / sqrt(y) as x * rsqrt(y)
-        xf = xf / jax.lax.optimization_barrier(jnp.sqrt(mean_square + eps))
+        xf = xf / jax.lax.optimization_barrier(jnp.sqrt(mean_square))
     else:
-        xf = xf * jax.lax.rsqrt(mean_square + eps)
+        xf = xf * jax.lax.rsqrt(mean_square)
     shape = [1] * x.ndim
     shape[axis] = -1
     return weight.reshape(shape) * xf.astype(x.dtype)
