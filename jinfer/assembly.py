@@ -99,7 +99,7 @@ def assemble(
             sampling_defaults=loaded.generation_defaults,
             context_policy=layout.context_policy,
         ),
-        speculation=Speculation(layout) if layout.verify_variants else None,
+        speculation=Speculation(layout, config.speculative_policy) if layout.verify_variants else None,
         cache_bytes=layout.num_pages * layout.page_size * per_token,
     )
 

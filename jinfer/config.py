@@ -122,6 +122,7 @@ MAX_STOP_IDS = 64  # stop_token_ids + eos ids
 
 
 SPECULATIVE = ("off", "ngram", "draft")  # where draft tokens come from (`speculative.DRAFT_SOURCES`)
+SPECULATIVE_POLICIES = ("measured", "always")  # when drafts are verified (`speculation.Speculation`)
 
 
 def dispatch_steps(decode_steps: int, mixed: bool) -> int:
@@ -174,6 +175,12 @@ class EngineConfig:
         "ngram: decode steps verify draft tokens looked up in each request's own prompt and output; "
         "draft: guessed by draft_model (exact either way: the same tokens as without; used only where "
         "it pays); off (draft when draft_model is set)",
+    )
+    speculative_policy: str = setting(
+        "measured",
+        "measured: verify drafts only where their expected gain pays for a verify step's measured "
+        "cost; always: verify every draft there is, whatever it costs (to study acceptance, or on "
+        "a machine too noisy to time)",
     )
     num_draft_tokens: int = setting(8, "the most draft tokens a speculative decode step verifies per request")
     draft_model: str | None = setting(
@@ -244,6 +251,11 @@ class EngineConfig:
                 )
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(
+                f"speculative_policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
+                f"got {self.speculative_policy!r}"
+            )
         if self.draft_model is not None and self.speculative == "off":
             object.__setattr__(self, "speculative", "draft")
         if (self.speculative == "draft") != (self.draft_model is not None):

@@ -113,7 +113,7 @@ class Engine:
         start = time.perf_counter()
         self.device.set_tables(np.full_like(self.kv.tables, SINK_PAGE))
         self.device.warm_up()
-        if self.speculation is not None:
+        if self.speculation is not None and self.speculation.policy == "measured":
             self.speculation.cost = measure_verify_costs(self.device)
         self.device.set_tables(self.kv.tables.copy())
         return time.perf_counter() - start

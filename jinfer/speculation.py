@@ -130,9 +130,13 @@ class Speculation:
     while. Where the device picks, each slot bucket also keeps the share of its recent verify
     steps that checked any draft (`useful`): a batch whose steps all decode plainly is spared the
     program, `USEFUL_FLOOR`. Records come as a list per row (None: a row without a request).
+
+    Under the "always" policy (`config.speculative_policy`) every length costs what a decode step
+    does and no bucket is spared: each step verifies the longest drafts its rows have.
     """
 
-    def __init__(self, layout):
+    def __init__(self, layout, policy: str = "measured"):
+        self.policy = policy
         source, variants = self.source, self.variants = layout.speculative, layout.verify_variants
         self.lengths: dict[int, list[int]] = {}  # slot bucket -> its draft lengths
         for rows, k in variants:
@@ -142,7 +146,7 @@ class Speculation:
         self.seen = 10 * np.stack([alphas, 1 - alphas], axis=1)
         # A verify step's time over a decode step's (`measure_verify_costs` measures them at
         # warm-up; until then a guess that it costs as many columns as it feeds, past the first).
-        self.cost = {(rows, k): 1.0 + 0.25 * k for rows, k in variants}
+        self.cost = {(rows, k): 1.0 + 0.25 * k * (policy == "measured") for rows, k in variants}
         self.useful = dict.fromkeys(self.lengths, 1.0)
 
     def chances(self, evidence: np.ndarray | None, engine: np.ndarray | None = None) -> np.ndarray:
@@ -199,7 +203,7 @@ class Speculation:
         per_step = DRAFT_SOURCES[self.source].per_step
         alphas = [float(c.max() if per_step else c[0]) for c in chances[drafting]]
         k, tokens_per_cost = self._best(rows, busy, alphas)
-        if per_step and self.useful[rows] < USEFUL_FLOOR:
+        if per_step and self.useful[rows] < USEFUL_FLOOR and self.policy == "measured":
             self.useful[rows] += (1 - self.useful[rows]) * (1 - RELAX**steps)
         elif tokens_per_cost > busy:
             k = max(self.lengths[rows]) if per_step else k

@@ -202,6 +202,29 @@ def test_the_host_verifies_where_some_length_could_pay():
     assert not model.feeds_draft([*[None] * 31, fresh], bucket)[0]  # none pays at 32
 
 
+def test_the_always_policy_verifies_every_draft_whatever_it_costs():
+    """`speculative_policy="always"`: a crowd, a request whose drafts keep failing and a bucket
+    whose steps checked none all still get the verify program of the longest length, each
+    length costed as a decode step (so the device takes the longest drafts a row has)."""
+    from types import SimpleNamespace as Layout
+
+    variants = ((1, 1), (1, 2), (1, 4), (16, 1))
+    always = Speculation(Layout(speculative="ngram", verify_variants=variants), "always")
+    failing = np.array([[0.0, 50.0]] * LONGEST_NGRAM + [[0.0, 50.0]], np.float32)
+    rows = [DraftRecord(drafting=True, evidence=failing)]
+    (k, plan), _ = always.choose(1, rows, steps=4)
+    assert k == 4 and plan.costs.tolist() == [1.0] * 4
+    always.useful[1] = 0.0
+    assert always.choose(1, rows, steps=4)[0][0] == 4
+    crowd = [DraftRecord(drafting=True)] * 8 + [None] * 8
+    assert always.choose(16, crowd, steps=4)[0][0] == 1
+    measured = Speculation(Layout(speculative="ngram", verify_variants=variants))
+    measured.cost[16, 1] = 2.0  # 1 + 0.92 of a token, at best
+    assert measured.choose(16, crowd, steps=4)[0] is None
+    with pytest.raises(ValueError, match="speculative_policy must be one of measured, always"):
+        EngineConfig(speculative="ngram", speculative_policy="sometimes")
+
+
 def test_layout_compiles_draft_lengths_within_the_kernels_columns(tiny_model):
     from jinfer.layout import SPECULATIVE_COLUMNS
 
