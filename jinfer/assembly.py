@@ -23,7 +23,8 @@ from jinfer.inputs import RowProcessor
 from jinfer.kv_cache import bytes_per_token
 from jinfer.layout import Layout, available_memory_bytes, param_bytes, resolve_layout
 from jinfer.loading import LoadedModel, engine_weights
-from jinfer.models import llama, quantized
+from jinfer.models import quantized
+from jinfer.models.params import pack_weights, unpacked
 from jinfer.paging import KVPages
 from jinfer.prepare import RequestPreparer
 from jinfer.scheduler import Scheduler
@@ -72,7 +73,7 @@ def assemble(
         draft=draft_cfg,
     )
     if layout.packed_weights:  # one device: the packed copies' own placement will do
-        params, draft_params = (cfg and llama.pack_weights(p, cfg) for cfg, p in models)
+        params, draft_params = (cfg and pack_weights(p, cfg) for cfg, p in models)
     carried = Weights(params, draft_params)
     shardings = jax.tree.map(lambda a: a.sharding, carried)
     steps = build_steps(padded_cfg, layout, mesh, shardings, loaded.config.vocab_size, draft_cfg, processors)
@@ -88,7 +89,7 @@ def assemble(
         dtype=dtype,
         layout=layout,
         steps=steps,
-        device=Device(steps, carried, dtype, kv.tables.copy(), llama.unpacked(params)),
+        device=Device(steps, carried, dtype, kv.tables.copy(), unpacked(params)),
         kv=kv,
         scheduler=_scheduler(loaded, layout, kv),
         preparer=RequestPreparer(

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.formats.params import CheckpointError, LoadedModel
 from jinfer.loading import engine_weights, load_model, placement_for
-from jinfer.models import llama
+from jinfer.models.attention import TokenGroup
+from jinfer.models.family import family_of
 from jinfer.weights import Caches, Weights
 
 log = logging.getLogger("jinfer.draft")
@@ -41,14 +42,16 @@ VOCABULARY_PROBE = 'The quick brown fox, 1234 times!\n\tdef f(x):\n        retur
 def run_model(
     weights: Weights, groups, cfg: ModelConfig, caches: Caches, tables, *, draft_cfg=None, **attention
 ):
-    """The target's pass over token groups (`llama.forward_groups`): hidden states per group and
-    the caches; with `draft_cfg`, the draft model's pass over the same tokens writes their K/V into
-    its own cache (its hidden states are not used). Without it, a draft model's cache is left as it
-    is (`Speculation.feeds_draft`)."""
-    hidden, target = llama.forward_groups(weights.target, groups, cfg, caches.target, tables, **attention)
+    """The target's pass over token groups (its family's `forward_groups`): hidden states per group
+    and the caches; with `draft_cfg`, the draft model's pass over the same tokens writes their K/V
+    into its own cache (its hidden states are not used). Without it, a draft model's cache is left
+    as it is (`Speculation.feeds_draft`)."""
+    target_pass = family_of(cfg).forward_groups
+    hidden, target = target_pass(weights.target, groups, cfg, caches.target, tables, **attention)
     if draft_cfg is None:
         return hidden, caches.replace(target=target)
-    _, draft = llama.forward_groups(weights.draft, groups, draft_cfg, caches.draft, tables, **attention)
+    draft_pass = family_of(draft_cfg).forward_groups
+    _, draft = draft_pass(weights.draft, groups, draft_cfg, caches.draft, tables, **attention)
     return hidden, Caches(target, draft)
 
 
@@ -57,11 +60,11 @@ def model_drafts(weights, caches, state, tables, active, k: int, *, draft_cfg, v
     row is active), and the caches with the draft's K/V written at the row's position .. position
     + k: k one-token passes, then one more that only writes the k-th draft's K/V (were every draft
     accepted, the target goes on from there; its hidden state unused, XLA drops its lm_head)."""
-    rows = active.shape[0]
+    rows, family = active.shape[0], family_of(draft_cfg)
 
     def draft_pass(draft_cache, token, offset):
-        group = llama.TokenGroup.of_rows(token[:, None], state.positions + offset, active)
-        (hidden,), draft_cache = llama.forward_groups(
+        group = TokenGroup.of_rows(token[:, None], state.positions + offset, active)
+        (hidden,), draft_cache = family.forward_groups(
             weights.draft, (group,), draft_cfg, draft_cache, tables, **attention
         )
         return hidden[:, 0], draft_cache
@@ -69,7 +72,7 @@ def model_drafts(weights, caches, state, tables, active, k: int, *, draft_cfg, v
     def drafting_pass(carry, offset):
         draft_cache, token = carry
         hidden, draft_cache = draft_pass(draft_cache, token, offset)
-        logits = llama.logits(weights.draft, hidden)[:, :vocab] + state.bias
+        logits = family.logits(weights.draft, hidden)[:, :vocab] + state.bias
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (draft_cache, token), token
 

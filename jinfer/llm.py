@@ -20,7 +20,7 @@ from jinfer.config import EngineConfig
 from jinfer.engine import Engine
 from jinfer.inputs import RowProcessor
 from jinfer.loading import default_model_path, load_model, placement_for
-from jinfer.models import llama
+from jinfer.models.params import unpacked
 from jinfer.prepare import PreparedRequest
 from jinfer.request import RequestOutput
 from jinfer.sampling import SamplingParams
@@ -113,7 +113,7 @@ class LLM:
     def params(self):
         """The model's weights (without the engine's packed copies, if it keeps them; quantized
         matrices as `models.quantized.QuantizedWeight`)."""
-        return llama.unpacked(self.engine.params)
+        return unpacked(self.engine.params)
 
     # ------------------------------------------------------------------------------ public
     def generate(

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.models import llama
+from jinfer.models.attention import TokenGroup
+from jinfer.models.family import family_of
 from jinfer.sampling import TOP_LOGPROBS
 
 MIN_BUCKET = 16
@@ -33,8 +34,9 @@ class SequenceLogprobs(NamedTuple):
 def score_program(params, tokens, *, cfg, vocab):
     """log p(tokens[:, i+1] | tokens[:, :i+1]) for every i, and the top alternatives there."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    hidden, _ = llama.forward(params, tokens, positions, cfg)
-    logp = jax.nn.log_softmax(llama.logits(params, hidden[:, :-1])[..., :vocab], axis=-1)  # [B, T-1, V]
+    family = family_of(cfg)
+    (hidden,), _ = family.forward_groups(params, (TokenGroup(tokens, positions),), cfg)
+    logp = jax.nn.log_softmax(family.logits(params, hidden[:, :-1])[..., :vocab], axis=-1)  # [B, T-1, V]
     chosen = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     top_logprobs, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
     return chosen, top_ids.astype(jnp.int32), top_logprobs

@@ -1,8 +1,8 @@
 """Device meshes and the logical-axis table: the only module that names mesh axes.
 
 Model code labels each weight dimension with a logical name ("vocab", "heads", "mlp", ...) in
-`models.llama.param_specs`. `RULES` maps logical names to mesh axes; everything not listed is
-replicated. `param_shardings` turns the declaration into a `NamedSharding` per weight, for jit
+its family's `param_specs` (`models.family`). `RULES` maps logical names to mesh axes; everything
+not listed is replicated. `param_shardings` turns the declaration into a `NamedSharding` per weight, for jit
 and for restoring checkpoints straight into place.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import ModelConfig
-from jinfer.models.llama import Params, is_spec, param_specs
+from jinfer.models.params import ParamTree, is_spec, param_specs
 from jinfer.models.quantized import is_quantized
 
 DATA, MODEL = "data", "model"
@@ -46,7 +46,7 @@ def partition_spec(axes: tuple[str, ...], rules: dict[str, str | None] = RULES) 
     return PartitionSpec(*(rules.get(a) for a in axes))
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: dict[str, str | None] = RULES) -> Params:
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: dict[str, str | None] = RULES) -> ParamTree:
     """A NamedSharding per weight; every sharded dimension must divide its mesh axis."""
 
     def sharding(spec):
@@ -79,7 +79,7 @@ def padded_for_mesh(cfg: ModelConfig, model_axis: int) -> tuple[ModelConfig, dic
     return padded, {"heads": heads, "kv_heads": kv, "mlp": mlp, "vocab": vocab}
 
 
-def pad_for_mesh(cfg: ModelConfig, params: Params, model_axis: int) -> tuple[ModelConfig, Params]:
+def pad_for_mesh(cfg: ModelConfig, params: ParamTree, model_axis: int) -> tuple[ModelConfig, ParamTree]:
     """Zero-pad kv heads (and their query groups), MLP width and vocabulary to divide `model_axis`.
 
     Padded heads have zero projections, so they attend uniformly to zero values and add nothing
@@ -102,7 +102,7 @@ def pad_for_mesh(cfg: ModelConfig, params: Params, model_axis: int) -> tuple[Mod
     return padded, jax.tree.map(pad, param_specs(cfg), params, is_leaf=is_spec)
 
 
-def place_params(cfg: ModelConfig, params: Params, mesh: Mesh, dtype) -> tuple[ModelConfig, Params]:
+def place_params(cfg: ModelConfig, params: ParamTree, mesh: Mesh, dtype) -> tuple[ModelConfig, ParamTree]:
     """The weights on the mesh: padded for its model axis (`pad_for_mesh`), float values cast to
     `dtype`, each weight placed by its declared sharding. Quantized blocks (one device only: they
     have no sharding rule) are placed as they are. Returns the padded config and the weights."""

@@ -52,7 +52,8 @@ import jax.numpy as jnp
 
 from jinfer.draft import model_drafts, run_model
 from jinfer.inputs import DispatchOutput, DraftPlan
-from jinfer.models import llama
+from jinfer.models.attention import TokenGroup
+from jinfer.models.family import family_of
 from jinfer.sampling import pick, process
 from jinfer.state import RowStep, SlotState, advance_rows, sample_rows, scan_rows
 
@@ -227,10 +228,10 @@ def _check_drafts(params, cache, state, tables, step: RowStep, drafts, real, *, 
     checked per row [rows]."""
     (rows, k), deferred, sampled = drafts.shape, step.deferred, step.sampled
     tokens = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
-    group = llama.TokenGroup.of_rows(tokens, state.positions, step.active)
+    group = TokenGroup.of_rows(tokens, state.positions, step.active)
     # The target's pass only: the draft model (if any) wrote its K/V while drafting.
     (hidden,), cache = run_model(params, (group,), cfg, cache, tables, **attention)
-    logits = llama.logits(params.target, hidden)[..., :vocab]  # [rows, k + 1, V]
+    logits = family_of(cfg).logits(params.target, hidden)[..., :vocab]  # [rows, k + 1, V]
     first = logits[:, 0]
     kept = jax.lax.cond(
         jnp.any(deferred), lambda: jnp.where(deferred[:, None], first, state.logits), lambda: state.logits

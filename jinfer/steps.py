@@ -24,7 +24,7 @@ change), its per-row inputs typed (`jinfer.inputs.RowInputs`), a prompt chunk wh
       state for `sample`.
   mixed[rows, attn_len, chunk]
       One decode step that also prefills a prompt chunk (padded to `mixed_chunk_len(rows)`) into
-      another slot: every weight is read once for both (`llama.forward_groups`), so a prompt
+      another slot: every weight is read once for both (the family's `forward_groups`), so a prompt
       arriving while others stream stretches their next step a little instead of inserting a
       whole prefill dispatch between two of their tokens.
   verify[rows, attn_len, drafts]
@@ -74,7 +74,8 @@ from jinfer.draft import run_model
 from jinfer.inputs import DispatchOutput, Program, RowInputs, RowProcessor, input_shardings
 from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
-from jinfer.models import llama
+from jinfer.models.attention import TokenGroup
+from jinfer.models.family import family_of
 from jinfer.sampling import choose
 from jinfer.sharding import DATA, MODEL
 from jinfer.speculative import program_lengths, verify, verify_programs
@@ -95,9 +96,9 @@ from jinfer.structured import ALL_ALLOWED, mask_words
 from jinfer.weights import Caches
 
 
-def _chunk_group(chunk: PrefillChunk) -> llama.TokenGroup:
+def _chunk_group(chunk: PrefillChunk) -> TokenGroup:
     offsets = jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)[None, :]
-    return llama.TokenGroup(
+    return TokenGroup(
         chunk.tokens, chunk.start + offsets, chunk.slot[None], valid=offsets < chunk.length
     )
 
@@ -184,7 +185,7 @@ def _prefill(
     (hidden,), cache = run_model(params, (_chunk_group(chunk),), cfg, cache, tables, draft_cfg=draft_cfg)
     logits = jax.lax.cond(
         chunk.last,
-        lambda: llama.logits(params.target, _last_real(hidden, chunk))[:, :vocab],
+        lambda: family_of(cfg).logits(params.target, _last_real(hidden, chunk))[:, :vocab],
         lambda: _no_logits(vocab),
     )  # [1, V]
     pairs = inputs.processing(processors)
@@ -199,22 +200,22 @@ def _decode_step(params, cache, state, tables, step: RowStep, chunk, *, cfg, voc
     rows' state, their output [rows] and the chunk's last logits [1, V] (None without a chunk).
     `attention`: attn_len and attention_kernel."""
     rows, deferred = step.active.shape[0], step.deferred
-    groups = [llama.TokenGroup.of_rows(state.tokens[:, None], state.positions, step.active)]
+    groups = [TokenGroup.of_rows(state.tokens[:, None], state.positions, step.active)]
     if chunk is not None:
         groups.append(_chunk_group(chunk))
     hidden, cache = run_model(params, groups, cfg, cache, tables, draft_cfg=draft_cfg, **attention)
     last = hidden[0][:, 0]  # [rows, D]
-    target = params.target
+    target, logits_of = params.target, family_of(cfg).logits
     if chunk is None:
-        logits, chunk_logits = llama.logits(target, last)[:, :vocab], None
+        logits, chunk_logits = logits_of(target, last)[:, :vocab], None
     else:
-        rows_only = lambda: (llama.logits(target, last)[:, :vocab], _no_logits(vocab))
+        rows_only = lambda: (logits_of(target, last)[:, :vocab], _no_logits(vocab))
 
         def with_chunk():
             # The chunk's last position joins the rows in one lm_head product, padded to whole
             # column tiles (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
             both = jnp.concatenate([last, _last_real(hidden[1], chunk)])
-            both = llama.logits(target, jnp.pad(both, ((0, -both.shape[0] % COLUMN_TILE), (0, 0))))
+            both = logits_of(target, jnp.pad(both, ((0, -both.shape[0] % COLUMN_TILE), (0, 0))))
             return both[:rows, :vocab], both[rows : rows + 1, :vocab]
 
         # Chunks before a prompt's last skip that column (8 slots: an 8- instead of a 16-column

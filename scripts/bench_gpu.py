@@ -54,7 +54,7 @@ from jinfer.formats.hf import model_config as hf_config
 from jinfer.inputs import DraftPlan, Program, neutral_inputs
 from jinfer.kv_cache import bytes_per_token, contiguous_tables
 from jinfer.layout import resolve_layout
-from jinfer.models import llama
+from jinfer.models.params import init_params
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
 from jinfer.speculative import LONGEST_NGRAM, program_lengths, verify_programs
@@ -299,7 +299,7 @@ def main() -> int:
     mesh = make_mesh()
     shardings = param_shardings(cfg, mesh)
     progress(f"random {args.shape} weights in {args.dtype}, on device")
-    params = jax.device_put(llama.init_params(cfg, jax.random.key(0), dtype), shardings)
+    params = jax.device_put(init_params(cfg, jax.random.key(0), dtype), shardings)
     weights = decode_weight_bytes(params)
     layers, output = matrix_params(params)
     per_position = bytes_per_token(cfg, dtype)  # K and V of one position

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.models import llama, quantized
+from jinfer.models import quantized
+from jinfer.models.params import unpacked
 
 LLAMA_CPP_VERSION = "0.3.36"
 PROMPT = "Once upon a time, there was a little"
@@ -68,7 +69,7 @@ def measure_ceiling(repeats: int = 5, matmul_dtype=jnp.float32, matmul_side: int
 def decode_weight_bytes(params) -> int:
     """Bytes of weights one decode step reads: all of them, less an untied input embedding (it is
     gathered one row per token); of a matrix with a packed copy, one of the two."""
-    params = llama.unpacked(params)
+    params = unpacked(params)
     total = sum(a.nbytes for a in jax.tree.leaves(params))
     if params.lm_head is not None:
         total -= sum(a.nbytes for a in jax.tree.leaves(params.embed))
@@ -148,7 +149,7 @@ def paired_ratio(numerator: np.ndarray, denominator: np.ndarray) -> dict[str, fl
 
 def matrix_params(params) -> tuple[int, int]:
     """(weights in all layers, the output projection): what each token's matrix products multiply."""
-    params = llama.unpacked(params)
+    params = unpacked(params)
     leaves = lambda tree: jax.tree.leaves(tree, is_leaf=quantized.is_quantized)
     weights = lambda tree: sum(math.prod(w.shape) for w in leaves(tree))
     return weights(params.layers), weights(params.lm_head if params.lm_head is not None else params.embed)

@@ -17,7 +17,7 @@ from jinfer.config import ModelConfig
 from jinfer.formats.hf import maybe_tokenizer
 from jinfer.formats.params import CheckpointError, LoadedModel, check_vocab, path_name, placed
 from jinfer.models import quantized
-from jinfer.models.llama import Params, abstract_params, is_spec, param_specs
+from jinfer.models.params import ParamTree, abstract_params, is_spec, param_specs
 from jinfer.models.quantized import FORMATS, HostBlocks, HostStack, QuantizedWeight, StackedWeight
 from jinfer.sharding import Placement, param_shardings
 
@@ -86,7 +86,7 @@ def _read_meta(directory: str) -> dict:
 def load_checkpoint(
     directory: str,
     dtype=jnp.float32,
-    shardings: Params | None = None,
+    shardings: ParamTree | None = None,
     quantization: str = "auto",
     placement: Placement | None = None,
 ) -> LoadedModel:

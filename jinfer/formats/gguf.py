@@ -1,26 +1,25 @@
 """The GGUF file (read by `gguf_reader`): metadata -> ModelConfig, tensors -> named arrays in
-jinfer's layout (dequantized to float32 by the `gguf` package, llama.cpp's Q/K row interleaving
-undone), and the vocabulary ->
-a `tokenizers` object jinfer builds itself: byte-level BPE (`tokenizer.ggml.model == "gpt2"`,
+jinfer's layout (what the metadata keys and tensor names mean is the model family's:
+`models.family`, found by `general.architecture`), quantized blocks kept or dequantized, and the
+vocabulary -> a `tokenizers` object jinfer builds itself: byte-level BPE (`tokenizer.ggml.model == "gpt2"`,
 pre-tokenizer chosen by `tokenizer.ggml.pre`) or SentencePiece-style BPE with byte fallback
 (`"llama"`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import re
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.config import ModelConfig, RopeConfig, UnsupportedModelError
+from jinfer.config import ModelConfig, UnsupportedModelError
 from jinfer.formats.gguf_reader import GGUFFile
-from jinfer.formats.hf import eos_ids, named_arrays
+from jinfer.formats.hf import named_arrays
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
+from jinfer.models.family import for_gguf
 from jinfer.models.quantized import FORMATS, HostBlocks, records_from_ggml
 from jinfer.tokenizer import HFBackend, Tokenizer, TokenizerError
 
@@ -28,96 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def model_config(meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
-    """A ModelConfig from GGUF key/value metadata (`general.architecture` and `{arch}.*` keys)."""
-    return _config_from_gguf(meta, tensor_names, rope_freqs)
-
-
-_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-def _config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r}; jinfer supports {tuple(_GGUF_ARCHITECTURES)}"
-        )
-
-    def get(key, default=None):
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    num_layers = int(get("block_count"))
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    theta = float(get("rope.freq_base", 10000.0))
-    if rope_freqs is not None:
-        rope = RopeConfig(theta=theta, freq_divisors=tuple(float(x) for x in rope_freqs))
-    elif scaling in ("none", None):
-        rope = RopeConfig(theta=theta)
-    elif scaling in ("linear", "yarn"):
-        rope = RopeConfig(
-            theta=theta,
-            kind=scaling,
-            factor=float(get("rope.scaling.factor")),
-            original_max_position_embeddings=int(meta.get(f"{arch}.rope.scaling.original_context_length", 0)),
-        )
-    else:
-        raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling!r}")
-    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-    return ModelConfig(
-        architecture=_GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope=rope,
-        max_position_embeddings=int(get("context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_windows=(window,) * num_layers,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids(eos),
-    )
-
-
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-# GGUF layer tensor suffix -> Hugging Face suffix (GGUF keeps HF's [out, in] orientation).
-_GGUF_TO_HF = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-
-def _unpermute_qk(w: np.ndarray | HostBlocks, heads: int) -> np.ndarray | HostBlocks:
-    """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF's pairs halves)."""
-    out_dim = w.shape[0]
-    order = np.arange(out_dim).reshape(heads, out_dim // heads // 2, 2).swapaxes(1, 2).reshape(-1)
-    if isinstance(w, HostBlocks):
-        return dataclasses.replace(w, data=w.data[order])
-    return w[order]
+    """A ModelConfig from GGUF key/value metadata (`general.architecture` and `{arch}.*` keys), read
+    by the family of that architecture (`models.family`)."""
+    return for_gguf(meta.get("general.architecture")).gguf_config(meta, tensor_names, rope_freqs)
 
 
 def read_gguf(path: str) -> GGUFFile:
@@ -188,26 +100,18 @@ def load_gguf(path: str, dtype=jnp.float32, quantization: str = "auto", placemen
     tensors = {t.name: t for t in reader.tensors}
     rope_freqs = dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
     cfg = model_config(meta, set(tensors), rope_freqs)
-    permuted = meta["general.architecture"] in ("llama", "mistral")
-    top_level = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    top_level["output.weight"] = "lm_head.weight"
+    family = for_gguf(meta["general.architecture"])
 
     dequantized: set[str] = set()
 
     def as_hf_tensors():
-        """GGUF tensors under their Hugging Face names (same [out, in] layout), Q/K un-permuted."""
+        """GGUF tensors under their Hugging Face names, in Hugging Face's layout (the family's
+        `gguf_tensor`); a name the family lacks as it is (reported as unexpected)."""
         for name, tensor in tensors.items():
             if name == "rope_freqs.weight":
                 continue  # already folded into the config
             w = _weight(tensor, keep_quantized, dequantized)
-            if (m := _GGUF_LAYER.fullmatch(name)) and m.group(2) in _GGUF_TO_HF:
-                suffix = m.group(2)
-                if permuted and suffix.startswith("attn_q."):
-                    w = _unpermute_qk(w, cfg.num_heads)
-                elif permuted and suffix.startswith("attn_k."):
-                    w = _unpermute_qk(w, cfg.num_kv_heads)
-                name = f"model.layers.{m.group(1)}.{_GGUF_TO_HF[suffix]}"
-            yield top_level.get(name, name), w
+            yield family.gguf_tensor(name, w, cfg) or (name, w)
 
     arrays = named_arrays(cfg, as_hf_tensors())
     if dequantized:

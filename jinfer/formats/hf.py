@@ -3,8 +3,8 @@ sharded with an index; never pickle) -> named arrays in jinfer's layout, `genera
 -> the model's sampling defaults, `tokenizer.json` / `tokenizer.model` (+ `tokenizer_config.json`,
 `chat_template.jinja`) -> Tokenizer.
 
-Our layout is Hugging Face's ([out, in]) with the head dimensions split out: reshapes only, and
-the projections that read the same input stacked (`wqkv`, `w_gate_up`).
+What a config.json and the tensor names mean is the model family's (`models.family`, found by the
+config's `model_type`); this module reads the files and hands their contents to it.
 """
 
 from __future__ import annotations
@@ -12,23 +12,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jinfer.config import (
-    SUPPORTED_ARCHITECTURES,
-    SUPPORTED_ROPE_TYPES,
-    ModelConfig,
-    RopeConfig,
-    UnsupportedModelError,
-)
+from jinfer.config import ModelConfig
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
 from jinfer.models import quantized
+from jinfer.models.family import family_of, for_hf
 from jinfer.sampling import MODEL_DEFAULTS
 from jinfer.tokenizer import Backend, HFBackend, SentencePieceBackend, Tokenizer, TokenizerError
 
@@ -50,119 +44,7 @@ def model_config(source: str | os.PathLike | dict[str, Any]) -> ModelConfig:
             raise FileNotFoundError(f"no config.json at {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return _config_from_hf_dict(hf)
-
-
-def _require(hf: dict[str, Any], key: str):
-    if key not in hf:
-        raise UnsupportedModelError(f"config.json lacks required field {key!r}")
-    return hf[key]
-
-
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    # transformers 5 nests everything under `rope_parameters`; 4.x has `rope_theta` + `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        kinds = {json.dumps(v, sort_keys=True) for v in params.values()}
-        if len(kinds) > 1:
-            raise UnsupportedModelError("per-layer-type rope_parameters that differ are not supported")
-        params = dict(next(iter(params.values())))
-    scaling = dict(hf.get("rope_scaling") or {})
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope scaling type {kind!r}; jinfer supports {SUPPORTED_ROPE_TYPES}"
-        )
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
-    original = 0  # only the llama3 and yarn rules use the pre-extension context length
-    if kind in ("llama3", "yarn"):
-        original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 0)
-    factor = params.get("factor")
-    if kind == "yarn" and factor is None:
-        factor = hf["max_position_embeddings"] / original
-    return RopeConfig(
-        theta=float(theta),
-        kind=kind,
-        factor=float(factor if factor is not None else 1.0),
-        original_max_position_embeddings=int(original),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        truncate=bool(params.get("truncate", True)),
-    )
-
-
-def eos_ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def _config_from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        archs = hf.get("architectures")
-        raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r} (architectures={archs}); "
-            f"jinfer supports {SUPPORTED_ARCHITECTURES}"
-        )
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
-    if hf.get("mlp_bias"):
-        raise UnsupportedModelError("mlp_bias=true is not supported")
-    if model_type in ("llama", "mistral") and hf.get("attention_bias"):
-        raise UnsupportedModelError(
-            "attention_bias=true on llama/mistral (output-projection bias) is not supported"
-        )
-    if model_type == "qwen3" and hf.get("attention_bias"):
-        raise UnsupportedModelError("attention_bias=true on qwen3 is not supported")
-
-    num_layers = int(_require(hf, "num_hidden_layers"))
-    hidden = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
-    head_dim = hf.get("head_dim") or hidden // heads
-
-    window = hf.get("sliding_window") or 0
-    if model_type == "mistral":
-        windows = (int(window),) * num_layers
-    elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
-        types = hf.get("layer_types")
-        if types is None:  # transformers 4: layers at or beyond max_window_layers slide
-            first = int(hf.get("max_window_layers", num_layers))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
-    else:
-        windows = (0,) * num_layers
-
-    return ModelConfig(
-        architecture=model_type,
-        vocab_size=int(_require(hf, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(hf, "intermediate_size")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(hf),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        sliding_windows=windows,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids(hf.get("eos_token_id")),
-    )
+    return for_hf(hf.get("model_type")).hf_config(hf)
 
 
 # ------------------------------------------------------------------------------ safetensors
@@ -235,45 +117,13 @@ def _hf_weight_files(directory: str) -> list[str]:
     return files
 
 
-# HF tensor name -> (our name, transform(array, cfg)).
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def _hf_layer_tensor(suffix: str) -> tuple[str, Callable[[np.ndarray, ModelConfig], np.ndarray]] | None:
-    # Our layout is Hugging Face's ([out, in]) with the head dimensions split out: reshapes only.
-    # Names with a part suffix (wqkv.q, ...) are pieces of one stacked weight (see _FUSED).
-    d = lambda c: c.hidden_size
-    q = lambda c: (c.num_kv_heads, c.num_groups, c.head_dim)  # query heads grouped by kv head
-    kv = lambda c: (c.num_kv_heads, 1, c.head_dim)
-    table = {
-        "input_layernorm.weight": ("attn_norm", lambda w, c: w),
-        "post_attention_layernorm.weight": ("mlp_norm", lambda w, c: w),
-        "self_attn.q_proj.weight": ("wqkv.q", lambda w, c: w.reshape(*q(c), d(c))),
-        "self_attn.k_proj.weight": ("wqkv.k", lambda w, c: w.reshape(*kv(c), d(c))),
-        "self_attn.v_proj.weight": ("wqkv.v", lambda w, c: w.reshape(*kv(c), d(c))),
-        "self_attn.o_proj.weight": ("wo", lambda w, c: w.reshape(d(c), c.num_heads, c.head_dim)),
-        "self_attn.q_proj.bias": ("bqkv.q", lambda w, c: w.reshape(q(c))),
-        "self_attn.k_proj.bias": ("bqkv.k", lambda w, c: w.reshape(kv(c))),
-        "self_attn.v_proj.bias": ("bqkv.v", lambda w, c: w.reshape(kv(c))),
-        "self_attn.q_norm.weight": ("q_norm", lambda w, c: w),
-        "self_attn.k_norm.weight": ("k_norm", lambda w, c: w),
-        "mlp.gate_proj.weight": ("w_gate_up.gate", lambda w, c: w[None]),
-        "mlp.up_proj.weight": ("w_gate_up.up", lambda w, c: w[None]),
-        "mlp.down_proj.weight": ("w_down", lambda w, c: w),
-    }
-    return table.get(suffix)
-
-
-# Stacked weights: their parts, in order, and the axis they are concatenated along.
-_FUSED = {"wqkv": (("q", "k", "v"), 1), "bqkv": (("q", "k", "v"), 1), "w_gate_up": (("gate", "up"), 0)}
-
-
-def _fuse_parts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Concatenate each layer's parts into its stacked weight. An incomplete set stays under the
-    parts' names, so assemble_params reports the stacked weight missing and the parts unexpected."""
+def _fuse_parts(arrays: dict[str, np.ndarray], stacked_weights) -> dict[str, np.ndarray]:
+    """Concatenate each layer's parts into its stacked weight (`Family.stacked`). An incomplete set
+    stays under the parts' names, so assemble_params reports the stacked weight missing and the
+    parts unexpected."""
     for name in list(arrays):
         stacked, _, part = name.rpartition(".")
-        fused = _FUSED.get(stacked.rpartition(".")[2])
+        fused = stacked_weights.get(stacked.rpartition(".")[2])
         if fused is None or part != fused[0][0]:
             continue
         names = [f"{stacked}.{p}" for p in fused[0]]
@@ -312,24 +162,22 @@ class Stacked:
 
 
 def named_arrays(cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Tensors under their Hugging Face names -> arrays under our weights' paths, in our layout
+    (the family's `hf_tensor`), stacked weights joined."""
+    family = family_of(cfg)
     out: dict[str, np.ndarray] = {}
     for name, array in tensors:
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some exporters keep; recomputed from the config
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: some exporters still write a copy of the embedding
-        if name == "model.embed_tokens.weight":
-            out["embed"] = array
-        elif name == "model.norm.weight":
-            out["final_norm"] = array
-        elif name == "lm_head.weight":
-            out["lm_head"] = array
-        elif (m := _HF_LAYER.fullmatch(name)) and (entry := _hf_layer_tensor(m.group(2))):
-            ours, transform = entry
-            out[f"layers.{m.group(1)}.{ours}"] = transform(array, cfg)
-        else:
+        entry = family.hf_tensor(name)
+        if entry is None:
             out[name] = array  # reported by assemble_params as unexpected
-    return _fuse_parts(out)
+        else:
+            ours, transform = entry
+            out[ours] = transform(array, cfg)
+    return _fuse_parts(out, family.stacked)
 
 
 def load_hf(directory: str, dtype=jnp.float32, quantization: str = "auto", placement=None) -> LoadedModel:

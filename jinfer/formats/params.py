@@ -1,5 +1,5 @@
 """What every model format yields: named numpy arrays checked against the one parameter
-declaration (`models.llama.param_specs`) and assembled into the parameter pytree, and the
+declaration (the model family's `param_specs`) and assembled into the parameter pytree, and the
 `LoadedModel` a loader returns. Format errors are `CheckpointError`s naming the file and tensor."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.models import quantized
-from jinfer.models.llama import Params, is_spec, param_specs
+from jinfer.models.params import ParamTree, is_spec, param_specs
 from jinfer.models.quantized import HostBlocks, HostStack, QuantizedWeight, StackedWeight
 from jinfer.sharding import Placement
 from jinfer.tokenizer import Tokenizer
@@ -26,7 +26,7 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: Params
+    params: ParamTree
     tokenizer: Tokenizer | None
     generation_defaults: dict[str, Any]  # from generation_config.json (temperature, top_p, ...)
     source: str
@@ -64,7 +64,7 @@ def assemble_params(
     source: str = "checkpoint",
     quantization: str = "auto",
     placement: Placement | None = None,
-) -> Params:
+) -> ParamTree:
     """Check named arrays against the declaration and place them on the device: float values as
     `dtype` (matrices quantized to int8 when `quantization` is "int8"), quantized blocks as they
     are (dequantized when it is "none"). With a `placement` (a mesh of several devices, which

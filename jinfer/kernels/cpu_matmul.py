@@ -4,7 +4,7 @@ A decode step multiplies every weight matrix by one column per busy slot, where 
 far below the memory bandwidth. The kernel reads a matrix packed as [ceil(out / R), in, R] (`pack`;
 R = `block_rows()`, the floats of one vector register: 16 with AVX-512, 8 otherwise) and streams it
 once for up to `MAX_COLUMNS` columns. The engine keeps such a packed copy next to
-each matrix when asked to (`EngineConfig.packed_weights`, see `llama.PackedWeight`); prompts keep
+each matrix when asked to (`EngineConfig.packed_weights`, see `models.params.PackedWeight`); prompts keep
 XLA's dot on the matrix, which multiplies hundreds of columns about twice as fast as this kernel.
 
 `available()` builds and registers it (see `jinfer.kernels`); if it cannot, it says why in a

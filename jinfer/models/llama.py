@@ -9,7 +9,8 @@ SwiGLU MLP) -> final RMSNorm -> hidden [B, T, D];  `logits(params, hidden)` -> [
 `forward_groups` runs several token groups (decoding slots, a prompt chunk) through one pass of
 the weights, each with its own attention by the backend the engine chose (`models.attention`:
 XLA's einsums, jinfer's C++ kernel on a CPU, the Pallas decode kernel on a GPU). The parameter
-tree and its declaration live in `models.params`, RoPE in `models.rope`.
+tree and its declaration live in `models.llama_params`, how checkpoints name it in
+`models.llama_checkpoints`, RoPE in `models.rope`; `FAMILY` gathers them (`models.family`).
 
 Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode.py):
   * Weights are stored as Hugging Face stores them, output features first ([out..., in]), so each
@@ -41,7 +42,7 @@ Einsum letters: b batch, t query, s key, d model, k kv-head, g group, h head_dim
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,23 +50,23 @@ import jax.numpy as jnp
 from jinfer.config import ModelConfig
 from jinfer.kernels import cpu_matmul
 from jinfer.kv_cache import KVCache, write_kv
-from jinfer.models import quantized
+from jinfer.models import llama_checkpoints, quantized
 from jinfer.models.attention import BACKENDS, Backend, TokenGroup, attention, full_precision
+from jinfer.models.family import Family, register
+from jinfer.models.llama_params import LayerParams, Params, param_specs
 from jinfer.models.params import (
-    LayerParams,
     PackedWeight,
-    Params,
     abstract_params,
     init_params,
     is_spec,
     matrix,
     pack_weights,
-    param_specs,
     unpacked,
 )
 from jinfer.models.rope import apply_rope, rope_cos_sin
 
 __all__ = [
+    "FAMILY",
     "PackedWeight",
     "Params",
     "TokenGroup",
@@ -214,7 +215,8 @@ def _attention_block(
 
 
 @jax.named_scope("mlp")
-def _mlp_block(p: LayerParams, x: jax.Array) -> jax.Array:
+def swiglu_mlp(p: LayerParams, x: jax.Array) -> jax.Array:
+    """The MLP block: columns x [D, N] -> [D, N]."""
     gate, up = project(p.w_gate_up, x)
     return project(p.w_down, jax.nn.silu(gate) * up)
 
@@ -253,6 +255,7 @@ def forward_groups(
     tables: jax.Array | None = None,
     attn_len: int | None = None,
     attention_kernel: str | None = None,
+    mlp: Callable[[LayerParams, jax.Array], jax.Array] = swiglu_mlp,
 ) -> tuple[tuple[jax.Array, ...], KVCache | None]:
     """`forward` over several token groups at once: one pass of every weight over all their columns,
     attention per group (each attends only to its own sequences' pages). Returns hidden
@@ -264,7 +267,7 @@ def forward_groups(
     `jinfer.kernels.cpu_attention`, which reads each row's pages in place up to its queries'
     positions. (Without a kernel, a decode step carrying a prompt chunk passes `attn_len`: there
     the chunk is a few tokens, and XLA:CPU ran the block loop of `filled_attention` slower than one
-    product over the bucket.)"""
+    product over the bucket.) `mlp`: the MLP block (a variant family may bring its own)."""
     if cache is not None and tables is None:
         raise ValueError("a forward pass over a KV cache needs its block tables")
     attend = BACKENDS[attention_kernel]
@@ -286,7 +289,7 @@ def forward_groups(
         window = cfg.sliding_windows[i]
         attn, kv = _attention_block(layer, h, cos, sin, groups, layer_cache, attn_len, window, cfg, attend)
         x = x + attn
-        x = x + _mlp_block(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
+        x = x + mlp(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
         new_layers.append(kv)
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps).T  # [N, D]
     per_group, start = [], 0
@@ -321,3 +324,17 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
         # folded form picks a kernel ~15x slower than this one plus a small transpose.
         out = jax.lax.optimization_barrier(out)
     return out.T.reshape(*hidden.shape[:-1], vocab)
+
+
+FAMILY = Family(
+    name="llama",
+    param_specs=param_specs,
+    forward_groups=forward_groups,
+    logits=logits,
+    hf_config=llama_checkpoints.hf_config,
+    hf_tensor=llama_checkpoints.hf_tensor,
+    stacked=llama_checkpoints.STACKED,
+    gguf_config=llama_checkpoints.gguf_config,
+    gguf_tensor=llama_checkpoints.gguf_tensor,
+)
+register(FAMILY, llama_checkpoints.ARCHITECTURES, llama_checkpoints.ARCHITECTURES)

@@ -1,9 +1,8 @@
-"""The parameter tree of the Llama-family decoder and its one declaration.
+"""What follows from a model family's parameter declaration, whatever the family.
 
-`param_specs(cfg)` declares every weight once (shape, logical axes, init); random init, abstract
-shapes (restore and jit targets), shardings and the loaders' shape checks derive from it. Weights
-are stored output features first ([out..., in]), as Hugging Face stores them, with the projections
-that read the same input stacked (`wqkv`, `w_gate_up`): see `models.llama` for why.
+A family declares every weight once (`param_specs(cfg)`: shape, logical axes, init, how many dims a
+product contracts); random init, abstract shapes (restore and jit targets), shardings and the
+loaders' shape checks derive from it here and in `jinfer.sharding` / `jinfer.formats`.
 
 On a CPU the engine may hold each matrix as a `PackedWeight` (`pack_weights`): the matrix plus a
 copy packed for jinfer's few-column kernel (`jinfer.kernels.cpu_matmul`).
@@ -13,7 +12,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from flax import struct
 
 from jinfer.config import ModelConfig
 from jinfer.kernels import cpu_matmul
+from jinfer.models.family import family_of
 
 
 class ParamSpec(NamedTuple):
@@ -34,59 +34,22 @@ class ParamSpec(NamedTuple):
     input_dims: int = 0
 
 
-@struct.dataclass
-class LayerParams:
-    attn_norm: jax.Array  # [d]
-    wqkv: jax.Array  # [k, g + 2, h, d]: per kv head, its g query heads, then its key and value heads
-    wo: jax.Array  # [d, n, h]
-    mlp_norm: jax.Array  # [d]
-    w_gate_up: jax.Array  # [2, f, d]: gate and up projections stacked (one product per step)
-    w_down: jax.Array  # [d, f]
-    bqkv: jax.Array | None = None  # [k, g + 2, h]  (qwen2)
-    q_norm: jax.Array | None = None  # [h]  (qwen3)
-    k_norm: jax.Array | None = None  # [h]
+# A family's parameter pytree (`models.llama_params.Params` for the Llama family): a flax struct
+# whose leaves are weights, declared by the family's `param_specs`.
+ParamTree = Any
 
 
-@struct.dataclass
-class Params:
-    embed: jax.Array  # [v, d]
-    layers: tuple[LayerParams, ...]
-    final_norm: jax.Array  # [d]
-    lm_head: jax.Array | None = None  # [v, d]; None when tied to `embed`
-
-
-def param_specs(cfg: ModelConfig) -> Params:
-    """The one declaration of every weight, as a `Params` tree whose leaves are `ParamSpec`."""
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    n, k, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
-    norm = lambda: ParamSpec((d,), ("embed",), "ones")
-
-    def layer() -> LayerParams:
-        return LayerParams(
-            attn_norm=norm(),
-            wqkv=ParamSpec((k, g + 2, h, d), ("kv_heads", None, "head_dim", "embed"), "normal", 1),
-            wo=ParamSpec((d, n, h), ("embed", "heads", "head_dim"), "normal", 2),
-            mlp_norm=norm(),
-            w_gate_up=ParamSpec((2, f, d), (None, "mlp", "embed"), "normal", 1),
-            w_down=ParamSpec((d, f), ("embed", "mlp"), "normal", 1),
-            bqkv=ParamSpec((k, g + 2, h), ("kv_heads", None, "head_dim"), "zeros") if cfg.qkv_bias else None,
-            q_norm=ParamSpec((h,), ("head_dim",), "ones") if cfg.qk_norm else None,
-            k_norm=ParamSpec((h,), ("head_dim",), "ones") if cfg.qk_norm else None,
-        )
-
-    return Params(
-        embed=ParamSpec((v, d), ("vocab", "embed"), "normal", int(cfg.tie_word_embeddings)),
-        layers=tuple(layer() for _ in range(cfg.num_layers)),
-        final_norm=norm(),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), ("vocab", "embed"), "normal", 1),
-    )
+def param_specs(cfg: ModelConfig) -> ParamTree:
+    """The declaration of every weight of `cfg`'s model: its family's (`models.family`), as a tree
+    whose leaves are `ParamSpec`."""
+    return family_of(cfg).param_specs(cfg)
 
 
 def is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None) -> Params:
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None) -> ParamTree:
     """ShapeDtypeStructs for every weight (optionally with shardings): targets for restore and jit."""
     specs = param_specs(cfg)
     if shardings is None:
@@ -96,7 +59,7 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32, shardings=None) -> Para
     )
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> ParamTree:
     """Random weights (normal * scale, norms at 1): for tests, benchmarks and training from scratch.
 
     Called eagerly, each distinct weight shape is one small compiled program: one program for the
@@ -129,7 +92,7 @@ class PackedWeight:
     packed: jax.Array  # [ceil(out / R), in, R] (R = cpu_matmul.block_rows()), out and in flattened
 
 
-def pack_weights(params: Params, cfg: ModelConfig) -> Params:
+def pack_weights(params: ParamTree, cfg: ModelConfig) -> ParamTree:
     """`params` with every matrix a product reads (the declaration's `input_dims`) as a
     `PackedWeight`; quantized weights are already in their kernel's layout and stay as they are.
     Costs one more copy of those matrices."""
@@ -142,7 +105,7 @@ def pack_weights(params: Params, cfg: ModelConfig) -> Params:
     return jax.tree.map(pack, param_specs(cfg), params, is_leaf=is_spec)
 
 
-def unpacked(params: Params) -> Params:
+def unpacked(params: ParamTree) -> ParamTree:
     """`params` without packed copies: what `pack_weights` was given."""
     return jax.tree.map(matrix, params, is_leaf=lambda w: isinstance(w, PackedWeight))
 
