@@ -45,7 +45,8 @@ from benchlib import (
 import jinfer
 from jinfer.inputs import Program, neutral_inputs
 from jinfer.kv_cache import contiguous_tables
-from jinfer.models import llama
+from jinfer.models.linear import project
+from jinfer.models.params import unpacked
 
 SCOPES = ("qkv_proj", "kv_write", "attention", "out_proj", "mlp", "logits", "sampling")
 CALLS = 5
@@ -74,7 +75,7 @@ def op_scopes(compiled_text: str) -> dict[str, str]:
 
 def weight_products_s(params, slots: int) -> float:
     """The decode step's weight products alone, computed as the step computes them
-    (`llama.project`: the quantized kernel for quantized weights, the packed-weight kernel where
+    (`models.linear.project`: the quantized kernel for quantized weights, the packed-weight kernel where
     the engine packed the weights, XLA's dot otherwise): every layer matrix and the vocabulary
     matrix."""
     weights = [params.embed if params.lm_head is None else params.lm_head]
@@ -87,8 +88,8 @@ def weight_products_s(params, slots: int) -> float:
     def products(weights, x):
         total = 0.0
         for w, dims in zip(weights, input_dims, strict=True):
-            width = math.prod(llama.unpacked(w).shape[-dims:])
-            total += jnp.sum(llama.project(w, jnp.ones((width, slots), jnp.float32) * x, dims))
+            width = math.prod(unpacked(w).shape[-dims:])
+            total += jnp.sum(project(w, jnp.ones((width, slots), jnp.float32) * x, dims))
         return total
 
     x = jnp.float32(1.0)

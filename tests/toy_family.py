@@ -19,6 +19,7 @@ import jax
 from jinfer.config import UnsupportedModelError
 from jinfer.models import llama, llama_checkpoints
 from jinfer.models.family import register
+from jinfer.models.linear import project
 
 MODEL_TYPE = "jinfer_toy"
 ACTIVATION = "gelu_pytorch_tanh"
@@ -26,8 +27,8 @@ ACTIVATION = "gelu_pytorch_tanh"
 
 def gelu_mlp(p, x):
     """GELU-gated MLP over columns x [D, N] (Llama's weights, another activation)."""
-    gate, up = llama.project(p.w_gate_up, x)
-    return llama.project(p.w_down, jax.nn.gelu(gate, approximate=True) * up)
+    gate, up = project(p.w_gate_up, x)
+    return project(p.w_down, jax.nn.gelu(gate, approximate=True) * up)
 
 
 def hf_config(hf):

@@ -30,6 +30,8 @@ Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode
   * A matrix may instead be held quantized (`models.quantized`: a GGUF's blocks, or int8 made at
     load), multiplied by jinfer's quantized kernel for as many columns, dequantized inside the
     step for more; the embedding's rows are then gathered from its blocks.
+  * Every product goes through `models.linear.project`, which knows how each holding (float,
+    packed, quantized) multiplies; the layers never ask.
   * `jax.named_scope`s (qkv_proj, kv_write, attention, out_proj, mlp, logits) label the compiled
     ops so a profile can be read per part of the model.
 
@@ -41,18 +43,17 @@ Einsum letters: b batch, t query, s key, d model, k kv-head, g group, h head_dim
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jinfer.config import ModelConfig
-from jinfer.kernels import cpu_matmul
 from jinfer.kv_cache import KVCache, write_kv
 from jinfer.models import llama_checkpoints, quantized
 from jinfer.models.attention import BACKENDS, Backend, TokenGroup, attention, full_precision
 from jinfer.models.family import Family, register
+from jinfer.models.linear import packed_product, project
 from jinfer.models.llama_params import LayerParams, Params, param_specs
 from jinfer.models.params import (
     PackedWeight,
@@ -122,32 +123,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0, divide:
     shape = [1] * x.ndim
     shape[axis] = -1
     return weight.reshape(shape) * xf.astype(x.dtype)
-
-
-def _packed_product(w: jax.Array | PackedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.Array | None:
-    """w's packed copy times columns x [in, N] -> [out..., N], when w has one and N is few enough."""
-    if not isinstance(w, PackedWeight) or x.shape[1] > cpu_matmul.MAX_COLUMNS:
-        return None
-    return cpu_matmul.matmul(w.packed, x, math.prod(out_dims)).reshape(*out_dims, x.shape[1])
-
-
-Weight = jax.Array | PackedWeight | quantized.QuantizedWeight | quantized.StackedWeight
-
-
-def project(w: Weight, x: jax.Array, input_dims: int = 1) -> jax.Array:
-    """w [out..., in...] (its last `input_dims` dims contracted) applied to columns x [in, N] ->
-    [out..., N]: one matrix product (XLA merges the leading output dims, which are contiguous), with
-    no reshape that would cross a sharded axis."""
-    if quantized.is_quantized(w):
-        return quantized.project(w, x, w.shape[:-input_dims]).astype(x.dtype)
-    out_dims = matrix(w).shape[:-input_dims]
-    packed = _packed_product(w, x, out_dims)
-    if packed is not None:
-        return packed
-    w = matrix(w).reshape(*out_dims, -1)
-    dims = (((w.ndim - 1,), (0,)), ((), ()))
-    out = jax.lax.dot_general(w, x, dims, full_precision(x.dtype), preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
 
 
 def _attention_block(
@@ -314,7 +289,7 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
         out = quantized.project(weight, columns.astype(jnp.float32), (weight.shape[0],))
         return out.T.reshape(*hidden.shape[:-1], weight.shape[0])
     vocab = matrix(weight).shape[0]
-    out = _packed_product(weight, columns, (vocab,))
+    out = packed_product(weight, columns, (vocab,)) if isinstance(weight, PackedWeight) else None
     if out is None:
         weight = matrix(weight)
         out = jnp.dot(
