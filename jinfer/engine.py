@@ -37,7 +37,7 @@ from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
 from jinfer.paging import SINK_PAGE, SequencePages
 from jinfer.prepare import PreparedRequest
-from jinfer.request import PrefillWork, Request, RequestOutput, deliver
+from jinfer.request import PrefillWork, Request, RequestOutput, deliver, positions_written
 from jinfer.sampling import StepOutput
 from jinfer.scheduler import Plan, QueueFullError
 from jinfer.scoring import Scorer
@@ -366,7 +366,7 @@ class Engine:
         """The attention bucket of a decode dispatch. The device may be one dispatch ahead of what
         the host has read, and this dispatch adds up to decode_steps x (draft tokens + 1)
         positions: a bucket that surely holds them all (and the carried prompt chunk's)."""
-        per_dispatch = self.layout.decode_steps * (1 + self.layout.draft_tokens)
+        per_dispatch = positions_written(self.layout.decode_steps, self.layout.draft_tokens)
         furthest = max(len(r.prompt_ids) + len(r.output_ids) for r in owners if r is not None)
         furthest += 2 * per_dispatch + 1
         if fused is not None:

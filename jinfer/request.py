@@ -37,6 +37,13 @@ class RequestOutput:
     metrics: dict[str, Any] | None = None
 
 
+def positions_written(steps: int, drafts: int = 0) -> int:
+    """Positions `steps` decode steps may write for one row: one a step, or, verifying up to
+    `drafts` draft tokens a step, up to drafts + 1 a step. Pages (`Request.capacity`, the
+    scheduler's reserve) and attention buckets (the engine) are sized by this one count."""
+    return steps * (drafts + 1)
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
@@ -99,15 +106,12 @@ class Request:
 
     def capacity(self, steps: int, drafts: int = 0) -> int:
         """Positions its pages must hold for a decode dispatch of `steps` steps: the device feeds
-        the last token sampled (perhaps still in flight) and writes `steps` positions from there;
-        verifying `drafts` draft tokens a step, up to (drafts + 1) x as many, but never past the
-        positions its last possible token needs."""
+        the last token sampled (perhaps still in flight) and writes from there what those steps and
+        the ones in flight may (`positions_written`), but never past the positions its last
+        possible token needs."""
         known = len(self.prompt_ids) + len(self.output_ids)
-        if not drafts:
-            return known + self.in_flight + steps - 1
-        return min(
-            known + (self.in_flight + steps) * (drafts + 1) - 1, len(self.prompt_ids) + self.max_tokens
-        )
+        written = known + positions_written(self.in_flight + steps, drafts) - 1
+        return written if not drafts else min(written, len(self.prompt_ids) + self.max_tokens)
 
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -35,7 +35,7 @@ import numpy as np
 
 from jinfer.config import dispatch_steps
 from jinfer.paging import KVPages
-from jinfer.request import Event, PrefillWork, Request, RequestOutput, deliver
+from jinfer.request import Event, PrefillWork, Request, RequestOutput, deliver, positions_written
 from jinfer.tokenizer import Tokenizer
 
 __all__ = ["Plan", "QueueFullError", "Request", "RequestOutput", "Scheduler", "deliver"]
@@ -200,7 +200,7 @@ class Scheduler:
 
     def _dispatch_positions(self, request: Request) -> int:
         """Positions one decode dispatch may write for it."""
-        return self.decode_steps * (1 + self._drafts(request))
+        return positions_written(self.decode_steps, self._drafts(request))
 
     def _reserve(self) -> int:
         """Pages kept free at admission for the running requests' next dispatch: admitting into
