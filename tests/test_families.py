@@ -90,6 +90,12 @@ def test_an_unknown_family_is_refused_by_name_and_a_name_is_read_by_one_family()
         family.register(toy_family.FAMILY, ["llama"])
 
 
+def test_a_family_module_that_does_not_import_is_named(monkeypatch):
+    monkeypatch.setenv(family.ENVIRONMENT, "no_such_family_module")
+    with pytest.raises(UnsupportedModelError, match="JINFER_FAMILIES names 'no_such_family_module'"):
+        family.for_hf("llama")
+
+
 def test_only_the_models_package_names_a_family():
     """The engine, steps, device, formats and server reach a family through `models.family`: none
     imports a family's own modules, so a new family touches `jinfer/models` alone."""

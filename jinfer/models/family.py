@@ -75,9 +75,13 @@ def _import_families() -> None:
     modules = ["jinfer.models.llama", *filter(None, os.environ.get(ENVIRONMENT, "").split(","))]
     for module in modules:
         module = module.strip()
-        if module not in _imported:
+        if module in _imported:
+            continue
+        try:
             importlib.import_module(module)
-            _imported.add(module)
+        except ImportError as e:
+            raise UnsupportedModelError(f"{ENVIRONMENT} names {module!r}, which does not import: {e}") from e
+        _imported.add(module)
 
 
 def _lookup(table: dict[str, Family], name: str | None, what: str) -> Family:
