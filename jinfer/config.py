@@ -122,6 +122,17 @@ SPECULATIVE = ("off", "ngram", "draft")  # where draft tokens come from (`specul
 SPECULATIVE_POLICIES = ("measured", "always")  # when drafts are verified (`speculation.Speculation`)
 
 
+# EngineConfig's settings that take one of a few values, and those values.
+CHOICES = {
+    "speculative": SPECULATIVE,
+    "speculative_policy": SPECULATIVE_POLICIES,
+    "quantization": QUANTIZATIONS,
+    "draft_quantization": QUANTIZATIONS,
+    "context_policy": CONTEXT_POLICIES,
+    "dtype": ("float32", "bfloat16", "float16"),
+}
+
+
 def dispatch_steps(decode_steps: int, mixed: bool) -> int:
     """Decode steps (tokens per slot) in one decode dispatch: `decode_steps`, or one for a dispatch
     carrying a prompt chunk (mixed prefill), whose cost must stay close to one plain step."""
@@ -246,13 +257,9 @@ class EngineConfig:
                 raise ValueError(
                     f"{name} must be true or false{' or auto' * (name == 'packed_weights')}, got {value!r}"
                 )
-        if self.speculative not in SPECULATIVE:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
-        if self.speculative_policy not in SPECULATIVE_POLICIES:
-            raise ValueError(
-                f"speculative_policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
-                f"got {self.speculative_policy!r}"
-            )
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.draft_model is not None and self.speculative == "off":
             object.__setattr__(self, "speculative", "draft")
         if (self.speculative == "draft") != (self.draft_model is not None):
@@ -273,13 +280,6 @@ class EngineConfig:
             or not all(isinstance(b, int) and b > 0 for b in buckets)
         ):
             raise ValueError(f"prefill_buckets must be a tuple of positive lengths, got {buckets!r}")
-        for name in ("quantization", "draft_quantization"):
-            if getattr(self, name) not in QUANTIZATIONS:
-                raise ValueError(f"{name} must be one of {QUANTIZATIONS}, got {getattr(self, name)!r}")
-        if self.context_policy not in CONTEXT_POLICIES:
-            raise ValueError(f"context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.coordinator is not None and (
             not isinstance(self.coordinator, str) or not self.coordinator.rpartition(":")[2].isdigit()
         ):
