@@ -21,16 +21,14 @@ pages in order, interleaved and shuffled.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
-from benchlib import markdown_table, measure_ceiling, progress, write_results
+from benchlib import git_worktree, markdown_table, measure_ceiling, progress, write_results
 
 CASES = ((1, 100), (8, 100), (8, 1024))  # (sequences, prompt tokens)
 TOKENS = 96  # generated per sequence
@@ -149,17 +147,6 @@ class Variant:
         self.process.wait()
 
 
-@contextlib.contextmanager
-def _worktree(revision: str):
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    folder = tempfile.mkdtemp(prefix="jinfer-baseline-")
-    subprocess.run(["git", "-C", here, "worktree", "add", "--detach", folder, revision], check=True)
-    try:
-        yield folder
-    finally:
-        subprocess.run(["git", "-C", here, "worktree", "remove", "--force", folder], check=False)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -183,7 +170,7 @@ def main() -> int:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     progress("measuring the memory bandwidth")
     bandwidth = measure_ceiling()["bandwidth_gb_s"] * 1e9
-    with _worktree(args.baseline) as baseline_tree:
+    with git_worktree(args.baseline) as baseline_tree:
         progress("starting the variants' processes (each loads the model)")
         variants = {"baseline": Variant(baseline_tree, json.loads(args.baseline_options))}
         for size in args.page_sizes.split(","):

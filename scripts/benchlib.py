@@ -7,6 +7,7 @@ machines are shared and noisy: only ratios taken side by side mean much.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 
 import jax
@@ -303,6 +305,18 @@ def llama_cpp_f32_gguf(hf_dir: str, out_path: str, source_dir: str) -> str:
         capture_output=True,
     )
     return out_path
+
+
+@contextlib.contextmanager
+def git_worktree(revision: str):
+    """A temporary checkout of `revision` of this repository (its folder), removed afterwards."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = tempfile.mkdtemp(prefix="jinfer-baseline-")
+    subprocess.run(["git", "-C", here, "worktree", "add", "--detach", folder, revision], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "-C", here, "worktree", "remove", "--force", folder], check=False)
 
 
 def write_results(out_dir: str, name: str, result: dict, table: str) -> None:
