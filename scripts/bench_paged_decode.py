@@ -30,7 +30,7 @@ import time
 import numpy as np
 from benchlib import git_worktree, markdown_table, measure_ceiling, progress, write_results
 
-CASES = ((1, 100), (8, 100), (8, 1024))  # (sequences, prompt tokens)
+CASES = "1x100,8x100,8x1024"  # sequences x prompt tokens
 TOKENS = 96  # generated per sequence
 
 
@@ -41,7 +41,7 @@ def worker(options: dict) -> None:
 
     import jinfer
 
-    llm = jinfer.LLM(max_slots=8, max_seq_len=2048, prefill_buckets=(64, 512), **options)
+    llm = jinfer.LLM(**{"max_slots": 8, "max_seq_len": 2048, "prefill_buckets": (64, 512), **options})
     cfg = llm.engine.model_config
     sampling = jinfer.SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
@@ -159,6 +159,7 @@ def main() -> int:
     )
     parser.add_argument("--page-sizes", default="16")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--cases", default=CASES, help="sequences x prompt tokens, comma-separated")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
@@ -170,20 +171,22 @@ def main() -> int:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     progress("measuring the memory bandwidth")
     bandwidth = measure_ceiling()["bandwidth_gb_s"] * 1e9
+    cases = [tuple(map(int, case.split("x"))) for case in args.cases.split(",")]
+    most = {"max_slots": max(8, *(slots for slots, _ in cases))}
     with git_worktree(args.baseline) as baseline_tree:
         progress("starting the variants' processes (each loads the model)")
-        variants = {"baseline": Variant(baseline_tree, json.loads(args.baseline_options))}
+        variants = {"baseline": Variant(baseline_tree, {**most, **json.loads(args.baseline_options)})}
         for size in args.page_sizes.split(","):
             # Float weights, as the slot-layout baseline holds them: this compares the KV layouts.
-            variants[f"page {size}"] = Variant(here, {"page_size": int(size), "quantization": "none"})
-        times = {(name, case): [] for name in variants for case in CASES}
+            variants[f"page {size}"] = Variant(here, {**most, "page_size": int(size), "quantization": "none"})
+        times = {(name, case): [] for name in variants for case in cases}
         for round_ in range(args.rounds):
             order = list(variants) if round_ % 2 == 0 else list(reversed(variants))
-            for case in CASES:
+            for case in cases:
                 for name in order:
                     times[name, case].append(variants[name].measure(*case))
             progress(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
-                f"{n} {1e3 * times[n, c][-1]:.1f}" for c in CASES for n in variants
+                f"{n} {1e3 * times[n, c][-1]:.1f}" for c in cases for n in variants
             ))  # fmt: skip
         progress("the attention kernel alone, in each variant's process")
         kernels = {name: v.kernel() for name, v in variants.items()}
@@ -191,7 +194,7 @@ def main() -> int:
         for v in variants.values():
             v.close()
     rows, result = [], {"bandwidth_gb_s": bandwidth / 1e9, "baseline": args.baseline, "cases": {}}
-    for slots, context in CASES:
+    for slots, context in cases:
         case = f"{slots}x{context}"
         base = np.array(times["baseline", (slots, context)])
         for name in variants:
