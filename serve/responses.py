@@ -123,6 +123,7 @@ class ChunkWriter:
 
     def __init__(self, req: GenerationRequest, seed: int, model_name: str, fingerprint: str, token_bytes):
         self.req, self.seed, self.token_bytes = req, seed, token_bytes
+        self.opened: set[int] = set()  # the chat choices whose role has been sent
         self.head = {
             "id": new_id(req.kind),
             "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
@@ -131,21 +132,22 @@ class ChunkWriter:
             "system_fingerprint": fingerprint,
         }
 
-    def chunk(self, index, text=None, finish_reason=None, entries=None, role=False, calls=None) -> str:
-        """One choice's chunk: text (a chat delta's content), log-prob entries, a finish reason,
-        the chat's opening role, or tool-call deltas."""
+    def chunk(self, index, text=None, finish_reason=None, entries=None, calls=None) -> str:
+        """One choice's chunk: text (a chat delta's content), log-prob entries, a finish reason, or
+        tool-call deltas. A chat choice's first chunk carries the role with what it has to say, so
+        the first chunk a client sees is the first token (nothing is sent before the prompt is
+        prefilled but keep-alives)."""
         req = self.req
         logprobs = format_logprobs(req.kind, self.token_bytes, entries) if entries else None
         choice = {"index": index}
         if req.kind == "chat":
-            delta = (
-                {"role": "assistant", "content": ""}
-                if role
-                else {"content": text}
-                if text is not None
-                else {}
-            )
-            choice["delta"] = delta if calls is None else {"tool_calls": calls}
+            delta = {} if index in self.opened else {"role": "assistant"}
+            self.opened.add(index)
+            if calls is not None:
+                delta["tool_calls"] = calls
+            elif text is not None or "role" in delta:
+                delta["content"] = text or ""
+            choice["delta"] = delta
         else:
             choice["text"] = text or ""
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
@@ -352,14 +354,13 @@ class ResponseWriter:
         choices = [StreamedChoice(submitted.tool_use) for _ in range(req.choices)]
         prompt_ids = submitted.prompt_ids
         try:
-            echoed = req.echo and req.top_logprobs is not None
-            scored = await self._prompt_entries(req, prompt_ids) if echoed else None
-            for index in range(req.choices):
-                if req.kind == "chat":
-                    yield writer.chunk(index, role=True)
-                elif req.echo:
-                    entries = scored[index // req.n] if scored is not None else None
-                    yield writer.chunk(index, text=self._prompt_text(req, index), entries=entries)
+            echoes = req.echo and req.kind != "chat"  # a completion's prompt comes back first
+            scored = None
+            if echoes and req.top_logprobs is not None:
+                scored = await self._prompt_entries(req, prompt_ids)
+            for index in range(req.choices if echoes else 0):
+                entries = scored[index // req.n] if scored is not None else None
+                yield writer.chunk(index, text=self._prompt_text(req, index), entries=entries)
             while not all(choice.final for choice in choices):
                 events = await self.next_batch(queue)
                 if events is None:

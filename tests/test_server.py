@@ -128,7 +128,9 @@ def test_chat_stream_and_non_stream_agree(client):
         model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True
     )
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # The first chunk is the first token, the role with it: nothing comes before the prefill.
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
