@@ -235,6 +235,11 @@ class EngineConfig:
     follower_timeout_s: float = setting(
         10.0, "a follower silent this long is taken for dead: requests fail, the server answers 503"
     )
+    compile_cache: str = setting(
+        "auto",
+        "a folder where compiled programs are kept, so the next start loads them instead of "
+        "compiling; auto: one per machine under ~/.cache/jinfer/xla (or JAX's own, when set); off",
+    )
 
     def __post_init__(self):
         positive = ("max_slots", "max_seq_len", "max_queue", "prefill_token_budget", "decode_steps")
@@ -280,6 +285,11 @@ class EngineConfig:
             or not all(isinstance(b, int) and b > 0 for b in buckets)
         ):
             raise ValueError(f"prefill_buckets must be a tuple of positive lengths, got {buckets!r}")
+        self._check_cluster()
+        if self.max_slots % self.mesh_data:
+            raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")
+
+    def _check_cluster(self):
         if self.coordinator is not None and (
             not isinstance(self.coordinator, str) or not self.coordinator.rpartition(":")[2].isdigit()
         ):
@@ -292,7 +302,7 @@ class EngineConfig:
             or not 0 <= self.process_id < (self.num_processes or self.process_id + 1)
         ):
             raise ValueError(f"process_id must be 0 to num_processes - 1, got {self.process_id!r}")
+        if not isinstance(self.compile_cache, str) or not self.compile_cache:
+            raise ValueError(f"compile_cache must be auto, off or a folder, got {self.compile_cache!r}")
         if not isinstance(self.follower_timeout_s, int | float) or self.follower_timeout_s < 1:
             raise ValueError(f"follower_timeout_s must be at least 1, got {self.follower_timeout_s!r}")
-        if self.max_slots % self.mesh_data:
-            raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")

@@ -31,6 +31,7 @@ import numpy as np
 
 from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
+from jinfer.compile_cache import tally
 from jinfer.config import EngineConfig, dispatch_steps
 from jinfer.inputs import Program, RowInputs, RowProcessor, processor_inputs, row_inputs
 from jinfer.loading import LoadedModel
@@ -110,13 +111,15 @@ class Engine:
         """Compile every verb's variants (`Device.warm_up`) and time verify against decode steps
         for the speculation policy; the seconds. Call it with no request running: its calls write
         (a warm-up chunk, the timed rows), through block tables that map nowhere meanwhile."""
-        start = time.perf_counter()
+        start, built = time.perf_counter(), tally()
         self.device.set_tables(np.full_like(self.kv.tables, SINK_PAGE))
         self.device.warm_up()
         if self.speculation is not None and self.speculation.policy == "measured":
             self.speculation.cost = measure_verify_costs(self.device)
         self.device.set_tables(self.kv.tables.copy())
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        log.info("warm-up: %.1f s; %s", seconds, tally().since(built))
+        return seconds
 
     def compile_count(self) -> int:
         return self.steps.compile_count()

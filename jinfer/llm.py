@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jinfer.cluster import join_cluster
+from jinfer.compile_cache import use as use_compile_cache
 from jinfer.config import EngineConfig
 from jinfer.engine import Engine
 from jinfer.inputs import RowProcessor
@@ -89,6 +90,7 @@ class LLM:
         generates as usual; on the others it does not return: it makes process 0's device calls
         until that one ends, then exits the process."""
         config = EngineConfig(**engine_options)
+        use_compile_cache(config.compile_cache)  # before anything compiles
         member = join_cluster(config)  # before anything touches a device
         path = model if model is not None else default_model_path()
         loaded = load_model(path, quantization=config.quantization, placement=placement_for(config))

@@ -34,7 +34,7 @@ def files_digest(path: str) -> str:
 
 def system_fingerprint(engine, model_path: str) -> str:
     """ "fp_" and 16 hex digits of the hash of everything that decides outputs (see above)."""
-    from jinfer.kernels import _cpu_signature
+    from jinfer.kernels import cpu_signature
     from jinfer.models import quantized
 
     layout = engine.layout
@@ -45,7 +45,7 @@ def system_fingerprint(engine, model_path: str) -> str:
         "packed": layout.packed_weights,
         "attention": layout.attention_kernel,
         "mesh": [layout.mesh_data, layout.mesh_model],
-        "cpu": _cpu_signature(),
+        "cpu": cpu_signature(),
         "versions": [importlib.metadata.version(p) for p in ("jinfer", "jax", "jaxlib")],
     }
     return "fp_" + hashlib.sha256(json.dumps(decides, sort_keys=True, default=str).encode()).hexdigest()[:16]

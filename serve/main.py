@@ -203,12 +203,14 @@ def _join_and_listen(server: ServerConfig, engine_config: EngineConfig):
 
 def _load_engine(server: ServerConfig, engine_config: EngineConfig, sampling: dict):
     """The engine over the model the settings name, and that model's path."""
+    from jinfer import compile_cache
     from jinfer.engine import Engine
     from jinfer.loading import default_model_path, load_model, placement_for
 
     model_path = server.model or default_model_path()
     start = time.perf_counter()
     try:
+        compile_cache.use(engine_config.compile_cache)  # before anything compiles
         placement = placement_for(engine_config)
         loaded = load_model(model_path, quantization=engine_config.quantization, placement=placement)
         loaded.generation_defaults.update(sampling)

@@ -15,9 +15,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 # first run compiles everything; later runs, and tests that build the same steps, load them.
 # JINFER_TEST_XLA_CACHE=off compiles everything every time.
 if os.environ.get("JINFER_TEST_XLA_CACHE", "on") != "off":
-    from jinfer.kernels import _cpu_signature, cache_dir
+    from jinfer.kernels import cache_dir, cpu_signature
 
-    _key = hashlib.sha256(f"{_cpu_signature()} {jax.__version__}".encode()).hexdigest()[:12]
+    _key = hashlib.sha256(f"{cpu_signature()} {jax.__version__}".encode()).hexdigest()[:12]
     _settings = {
         "jax_compilation_cache_dir": str(cache_dir() / f"xla-tests-{_key}"),
         "jax_persistent_cache_min_compile_time_secs": 0,

@@ -53,7 +53,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JINFER_CACHE_DIR", default))
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """This CPU's instruction-set flags: a library built with -march=native runs only where they hold."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -74,7 +74,7 @@ def _build(name: str) -> Path:
             *texts,
             jaxlib.__version__.encode(),
             compiler.encode(),
-            _cpu_signature().encode(),
+            cpu_signature().encode(),
             *map(str.encode, extra_flags),
         ]
     )
