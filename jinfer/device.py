@@ -12,15 +12,18 @@ call (the engine's loop and a server scoring a text).
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
 
 An input's `allowed` bitmask is None when no row is constrained: the device passes its resident
-all-bits-set mask instead of uploading one. `warm_up` dispatches every program once;
+all-bits-set mask instead of uploading one. `warm_up` compiles every program, all at once on
+every core, then dispatches each once;
 `idle_inputs` are a program's inputs with no row busy (warm-up; timing verify steps,
 `speculation.measure_verify_costs`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -69,19 +72,24 @@ class Device:
         """Run one of the steps' programs over the device's values (`Steps.programs`)."""
 
         def run():
-            # No row constrained: the resident all-bits-set mask, no upload.
-            allowed = inputs.allowed
-            allowed = self.steps.unconstrained if allowed is None else self.steps.put_allowed(allowed)
-            placed = inputs.replace(allowed=allowed)
             jitted = self.steps.programs[program]
             if program.kind == "sample":
-                self.state, out = jitted(self.state, placed)
+                self.state, out = jitted(*self._program_args(program, inputs, chunk))
                 return out
-            carried = (self.weights, self.cache, self.state, self.tables)
-            self.cache, self.state, out = jitted(*carried, placed, chunk)
+            self.cache, self.state, out = jitted(*self._program_args(program, inputs, chunk))
             return out
 
         return self._call("dispatch", (program, inputs, chunk), run)
+
+    def _program_args(self, program: Program, inputs: RowInputs, chunk: PackedChunk | None) -> tuple:
+        """What `program` is called with: the device's values it carries, the inputs placed."""
+        # No row constrained: the resident all-bits-set mask, no upload.
+        allowed = inputs.allowed
+        allowed = self.steps.unconstrained if allowed is None else self.steps.put_allowed(allowed)
+        placed = inputs.replace(allowed=allowed)
+        if program.kind == "sample":
+            return (self.state, placed)
+        return (self.weights, self.cache, self.state, self.tables, placed, chunk)
 
     def history(self, packed) -> None:
         def run():
@@ -126,13 +134,23 @@ class Device:
         return padded
 
     def warm_up(self) -> None:
-        """Compile every program (`Steps.programs`) and the small verbs. The caller sets block
-        tables that map nowhere first: the warm-up chunks write."""
+        """Compile every program (`Steps.programs`) and the small verbs, then call each once. The
+        caller sets block tables that map nowhere first: the warm-up chunks write."""
+        self._compile_programs()
         for program in self.steps.programs:
             out = self.dispatch(program, self.idle_inputs(program), self._idle_chunk(program.chunk))
         self.history(pack_history(0, [], 0, self.steps.layout.max_seq_len))
         self.clear_pages(self.page_list([]))
         jax.block_until_ready((out, self.cache, self.state))
+
+    def _compile_programs(self) -> None:
+        """Compile every program before its first call, several at once: tracing them is Python's
+        work, one at a time, but XLA's compiles (or the compile cache's loads) run on every core.
+        A call with the same arguments' shapes then finds its executable compiled."""
+        idle = lambda p: self._program_args(p, self.idle_inputs(p), self._idle_chunk(p.chunk))
+        lowered = [self.steps.programs[p].lower(*idle(p)) for p in self.steps.programs]
+        with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+            list(pool.map(lambda program: program.compile(), lowered))
 
     def _idle_chunk(self, size: int) -> PackedChunk | None:
         """A one-token greedy prompt chunk padded to `size` into slot 0 (None for size 0)."""

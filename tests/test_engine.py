@@ -122,6 +122,21 @@ def test_no_recompiles_after_warmup(tiny_model, mixed):
     assert compiles == []
 
 
+def test_the_warm_up_builds_each_program_once(tiny_model):
+    """Compiled all at once ahead of their calls (`Device._compile_programs`): the calls that follow
+    find every program built, so nothing is built twice."""
+    from jinfer.compile_cache import tally
+
+    llm = jinfer.LLM(
+        tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=64, prefill_buckets=(16,), page_size=16
+    )
+    before = tally()
+    llm.engine.warmup()
+    built = tally().since(before)
+    assert built.programs == len(llm.engine.steps.programs) + 2  # and the history and page-clearing verbs
+    assert llm.engine.compile_count() == built.programs
+
+
 def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_tokens(tiny_model, monkeypatch):
     # max_seq_len 100 is no multiple of the chunk sizes: the last chunks' padding runs past the
     # sequence's pages (and is dropped). No prefix caching: every prompt is computed from its start.
