@@ -1,6 +1,7 @@
 """Model families (`jinfer.models.family`): a family defined outside jinfer (tests/toy_family.py, a
 Llama with a GELU-gated MLP under its own model_type) loads, decodes in a crowd, scores and serves
-through the engine, steps, device and server as they are; and only `jinfer.models` names one."""
+(one process, or a cluster of two) through the engine, steps, device and server as they are; and
+only `jinfer.models` names one."""
 
 import os
 import pathlib
@@ -79,6 +80,22 @@ def test_a_server_serves_a_family_named_in_its_environment(toy, monkeypatch):
             model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
         )
     assert answer.choices[0].text == expected.text
+
+
+def test_a_cluster_serves_a_family_named_in_its_environment(toy, monkeypatch, tmp_path):
+    """Two processes, one model over their four devices: each process finds the family through
+    JINFER_FAMILIES, and the leader answers what one process on the same mesh answers."""
+    from test_cluster import ENGINE, GREEDY, PROMPTS, serving
+
+    directory, _ = toy
+    one_process = jinfer.LLM(directory, mesh_data=2, mesh_model=2, **ENGINE)
+    expected = [c.text for c in one_process.generate(PROMPTS, jinfer.SamplingParams(**GREEDY))]
+    monkeypatch.setenv(family.ENVIRONMENT, "toy_family")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    with serving(directory, (2, 2), tmp_path) as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        answers = [client.completions.create(model="tiny", prompt=p, **GREEDY) for p in PROMPTS]
+    assert [a.choices[0].text for a in answers] == expected
 
 
 def test_an_unknown_family_is_refused_by_name_and_a_name_is_read_by_one_family():
