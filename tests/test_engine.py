@@ -124,7 +124,8 @@ def test_no_recompiles_after_warmup(tiny_model, mixed):
 
 def test_the_warm_up_builds_each_program_once(tiny_model):
     """Compiled all at once ahead of their calls (`Device._compile_programs`): the calls that follow
-    find every program built, so nothing is built twice."""
+    find every program built, so none is built a second time for its calls' arguments (XLA builds
+    counted, compiled or loaded from the compile cache)."""
     from jinfer.compile_cache import tally
 
     llm = jinfer.LLM(
@@ -134,7 +135,6 @@ def test_the_warm_up_builds_each_program_once(tiny_model):
     llm.engine.warmup()
     built = tally().since(before)
     assert built.programs == len(llm.engine.steps.programs) + 2  # and the history and page-clearing verbs
-    assert llm.engine.compile_count() == built.programs
 
 
 def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_tokens(tiny_model, monkeypatch):
