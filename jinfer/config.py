@@ -285,11 +285,12 @@ class EngineConfig:
             or not all(isinstance(b, int) and b > 0 for b in buckets)
         ):
             raise ValueError(f"prefill_buckets must be a tuple of positive lengths, got {buckets!r}")
-        self._check_cluster()
+        self._check_process_settings()
         if self.max_slots % self.mesh_data:
             raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")
 
-    def _check_cluster(self):
+    def _check_process_settings(self):
+        """How this process starts: the cluster it joins, its follower timeout, its compile cache."""
         if self.coordinator is not None and (
             not isinstance(self.coordinator, str) or not self.coordinator.rpartition(":")[2].isdigit()
         ):
