@@ -8,9 +8,10 @@ cache it replaced), paired, at each page size asked for.
 Each variant (the baseline revision, checked out with `git worktree` into a temporary folder, and
 this tree at each page size) runs in a process of its own that loads the embedded SmolLM2-135M
 once and, when told, decodes a case through `LLM.generate` (greedy, as a user's requests do: the
-engine's loop and host work included): 1 sequence after a 100-token prompt, 8 after 100, 8 after
-1,024. A case's step time is taken over the window in which every sequence decodes (from the last
-first token to the first last token). The processes take turns case by case, in an order that
+engine's loop and host work included): by default 1 sequence after a 100-token prompt, 8 after
+100, 8 after 1,024 (`--cases`; the engines hold at least 8 slots, more when a case asks). A
+case's step time is taken over the window in which every sequence decodes (from the last first
+token to the first last token). The processes take turns case by case, in an order that
 alternates round by round; the report gives, per case, each variant's median step time, its MBU
 (weights plus each sequence's K/V, over the memory bandwidth measured in the same run) and the
 median of its paired ratios against the baseline (tokens/s, so above 1 is faster). Then each
