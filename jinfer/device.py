@@ -136,19 +136,20 @@ class Device:
     def warm_up(self) -> None:
         """Compile every program (`Steps.programs`) and the small verbs, then call each once. The
         caller sets block tables that map nowhere first: the warm-up chunks write."""
-        self._compile_programs()
-        for program in self.steps.programs:
-            out = self.dispatch(program, self.idle_inputs(program), self._idle_chunk(program.chunk))
+        idle = {p: (self.idle_inputs(p), self._idle_chunk(p.chunk)) for p in self.steps.programs}
+        self._compile_programs(idle)
+        for program, (inputs, chunk) in idle.items():
+            out = self.dispatch(program, inputs, chunk)
         self.history(pack_history(0, [], 0, self.steps.layout.max_seq_len))
         self.clear_pages(self.page_list([]))
         jax.block_until_ready((out, self.cache, self.state))
 
-    def _compile_programs(self) -> None:
-        """Compile every program before its first call, several at once: tracing them is Python's
-        work, one at a time, but XLA's compiles (or the compile cache's loads) run on every core.
-        A call with the same arguments' shapes then finds its executable compiled."""
-        idle = lambda p: self._program_args(p, self.idle_inputs(p), self._idle_chunk(p.chunk))
-        lowered = [self.steps.programs[p].lower(*idle(p)) for p in self.steps.programs]
+    def _compile_programs(self, idle: dict[Program, tuple[RowInputs, PackedChunk | None]]) -> None:
+        """Compile every program for its `idle` inputs and chunk before its first call, several at
+        once: tracing them is Python's work, one at a time, but XLA's compiles (or the compile
+        cache's loads) run on every core. A call with the same arguments' shapes then finds its
+        executable compiled."""
+        lowered = [self.steps.programs[p].lower(*self._program_args(p, *idle[p])) for p in idle]
         with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
 
