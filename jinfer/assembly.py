@@ -110,10 +110,8 @@ def _scheduler(loaded: LoadedModel, layout: Layout, kv: KVPages) -> Scheduler:
         loaded.tokenizer,
         layout.max_slots,
         layout.max_queue,
-        layout.chunk_len,
-        layout.prefill_token_budget,
+        layout.max_num_batched_tokens,
         kv,
-        layout.mixed_chunk_len if layout.mixed_prefill_tokens else None,
         layout.decode_steps,
         layout.draft_tokens,
     )

@@ -133,15 +133,16 @@ CHOICES = {
 }
 
 
-def dispatch_steps(decode_steps: int, mixed: bool) -> int:
-    """Decode steps (tokens per slot) in one decode dispatch: `decode_steps`, or one for a dispatch
-    carrying a prompt chunk (mixed prefill), whose cost must stay close to one plain step."""
-    return 1 if mixed else decode_steps
-
-
-# Matrix kernels work in tiles of columns: XLA:CPU multiplied 9 columns no faster than 16. Token
-# counts that the engine chooses (a mixed step's chunk, its lm_head columns) round up to this.
+# Matrix kernels work in tiles of columns: XLA:CPU multiplied 9 columns no faster than 16. Column
+# counts that the engine chooses round up to this.
 COLUMN_TILE = 8
+
+# Prompt tokens go to the device in pieces of this many (`jinfer.state.PrefillChunk`): a dispatch
+# carries whole pieces of as many requests' prompts as fit the iteration's token budget. Its
+# products then always have a multiple of 64 columns, where XLA:CPU's GEMM gives a column the same
+# bits whatever its neighbours (at other counts its tiling changes a column's sums), so a prompt
+# token's K/V do not depend on what else its dispatch carried.
+PROMPT_PIECE = 64
 
 
 @dataclass(frozen=True)
@@ -166,18 +167,13 @@ class EngineConfig:
         True, "reuse the KV pages of prompt prefixes computed before (shared system prompts, chat turns)"
     )
     max_queue: int = setting(256, "waiting requests; more are refused (HTTP 429)")
-    prefill_buckets: tuple[int, ...] = setting(
-        (32, 64, 128, 256, 512), "prompt lengths compiled for; longer prompts go in chunks of the largest"
-    )
-    prefill_token_budget: int = setting(
-        512, "prompt tokens prefilled per engine iteration (at least one chunk)"
+    max_num_batched_tokens: int = setting(
+        512,
+        "tokens one engine iteration computes: every running request's decode tokens first, then "
+        f"prompt pieces of {PROMPT_PIECE} tokens from as many waiting and partly-prefilled requests as "
+        "fit (at least one piece)",
     )
     decode_steps: int = setting(4, "decode steps per device dispatch (lax.scan)")
-    mixed_prefill_tokens: int = setting(
-        0,
-        "while requests decode, prefill prompts this many tokens at a time inside the decode steps "
-        "(steadier streams, later first tokens); 0: prompts get dispatches of their own",
-    )
     speculative: str = setting(
         "off",
         "ngram: decode steps verify draft tokens looked up in each request's own prompt and output; "
@@ -242,7 +238,7 @@ class EngineConfig:
     )
 
     def __post_init__(self):
-        positive = ("max_slots", "max_seq_len", "max_queue", "prefill_token_budget", "decode_steps")
+        positive = ("max_slots", "max_seq_len", "max_queue", "max_num_batched_tokens", "decode_steps")
         positive += ("num_draft_tokens",)
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -272,19 +268,6 @@ class EngineConfig:
                 f"speculative={self.speculative} with draft_model={self.draft_model!r}: a draft model "
                 "drafts with speculative=draft, and speculative=draft needs one"
             )
-        if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 0:
-            raise ValueError(
-                f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}"
-            )
-        if isinstance(self.prefill_buckets, list):
-            object.__setattr__(self, "prefill_buckets", tuple(self.prefill_buckets))
-        buckets = self.prefill_buckets
-        if (
-            not isinstance(buckets, tuple)
-            or not buckets
-            or not all(isinstance(b, int) and b > 0 for b in buckets)
-        ):
-            raise ValueError(f"prefill_buckets must be a tuple of positive lengths, got {buckets!r}")
         self._check_process_settings()
         if self.max_slots % self.mesh_data:
             raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")

@@ -29,11 +29,12 @@ from functools import partial
 import jax
 import numpy as np
 
+from jinfer.config import PROMPT_PIECE
 from jinfer.inputs import DispatchOutput, Program, RowInputs, neutral_inputs
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scoring import score_program
 from jinfer.speculative import DRAFT_SOURCES, program_lengths
-from jinfer.state import PackedChunk, pack_chunk, pack_history
+from jinfer.state import PackedChunk, pack_history, pack_piece, pack_pieces
 from jinfer.steps import Steps
 from jinfer.weights import Weights
 
@@ -136,7 +137,7 @@ class Device:
     def warm_up(self) -> None:
         """Compile every program (`Steps.programs`) and the small verbs, then call each once. The
         caller sets block tables that map nowhere first: the warm-up chunks write."""
-        idle = {p: (self.idle_inputs(p), self._idle_chunk(p.chunk)) for p in self.steps.programs}
+        idle = {p: (self.idle_inputs(p), self._idle_chunk(p)) for p in self.steps.programs}
         self._compile_programs(idle)
         for program, (inputs, chunk) in idle.items():
             out = self.dispatch(program, inputs, chunk)
@@ -153,20 +154,22 @@ class Device:
         with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
 
-    def _idle_chunk(self, size: int) -> PackedChunk | None:
-        """A one-token greedy prompt chunk padded to `size` into slot 0 (None for size 0)."""
-        if not size:
+    def _idle_chunk(self, program: Program) -> PackedChunk | None:
+        """A prefill program's pieces: one greedy one-token prompt into slot 0, the rest padding
+        (None for other kinds)."""
+        if program.kind != "prefill":
             return None
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
-        tokens, vocab = np.zeros(size, np.int32), self.steps.vocab_size
+        tokens, vocab = np.zeros(PROMPT_PIECE, np.int32), self.steps.vocab_size
         flags = {"slot": 0, "start": 0, "length": 1, "last": True, "generated": 0, "min_tokens": 0}
-        return pack_chunk(tokens, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=vocab)
+        piece = pack_piece(tokens, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=vocab)
+        return pack_pieces([piece], program.rows, PROMPT_PIECE, vocab)
 
     def idle_inputs(self, program: Program, force: int = -1, busy: int = 0) -> RowInputs:
         """A program's inputs with no row busy (`busy`: every row `busy` steps); a verify program's
         plan has every row drafting, made to take the length of index `force` (-1: its choice)."""
         layout = self.steps.layout
-        rows = program.rows + (program.kind == "mixed")
+        rows = program.rows
         if program.kind != "verify":
             return neutral_inputs(rows, processors=self.steps.processors).replace(
                 steps=np.full(rows, busy, np.int32)

@@ -1,9 +1,9 @@
 """The engine: one loop that ties the host scheduler to the jitted device steps.
 
     submit / cancel (any thread) --inbox, under a lock--> Scheduler
-    loop thread:  plan -> dispatch prefill chunks + one multi-step decode (async, cache donated),
-                  or, with mixed prefill while requests decode, one decode step carrying a chunk,
-                  or, speculating, decode steps that verify draft tokens (`jinfer.speculative`)
+    loop thread:  plan -> dispatch the prompt chunks the token budget took (one prefill dispatch
+                  of pieces) + one multi-step decode (async, cache donated), or, speculating,
+                  decode steps that verify draft tokens (`jinfer.speculative`)
                   -> read the previous iteration's tokens (one iteration late) -> scheduler.commit
                   -> the events it returns go to the sinks, outside the lock
 
@@ -32,7 +32,7 @@ import numpy as np
 from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
 from jinfer.compile_cache import tally
-from jinfer.config import EngineConfig, dispatch_steps
+from jinfer.config import PROMPT_PIECE, EngineConfig
 from jinfer.inputs import Program, RowInputs, RowProcessor, processor_inputs, row_inputs
 from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
@@ -43,7 +43,8 @@ from jinfer.sampling import StepOutput
 from jinfer.scheduler import Plan, QueueFullError
 from jinfer.scoring import Scorer
 from jinfer.speculation import DraftRecord, may_draft, measure_verify_costs
-from jinfer.state import pack_history
+from jinfer.state import pack_history, pack_pieces
+from jinfer.steps import prefill_program
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
 
@@ -267,92 +268,82 @@ class Engine:
             self.step()
 
     def _dispatch(self, plan: Plan) -> list[Pending]:
-        """Queue the plan's prompt chunks and its decode dispatch; what they will have produced."""
+        """Queue the plan's prompt chunks (one prefill dispatch) and its decode dispatch; what they
+        will have produced."""
         if self._tables_version != self.kv.version:
             # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
             self.device.set_tables(self.kv.tables.copy())
             self._tables_version = self.kv.version
-        sampled = [w.request for w in (*plan.prefills, plan.fused) if w is not None and w.last]
+        sampled = [w.request for w in plan.prefills if w.last]
         allowed = allowed_bitmask(sampled, self.layout.max_slots, self.steps.vocab_size)
-        pending = [entry for work in plan.prefills if (entry := self._dispatch_prefill(work, allowed))]
+        pending = self._dispatch_prefill(plan.prefills, allowed) if plan.prefills else []
         if plan.decodes:
             pending += self._dispatch_decode(plan, allowed)
         return pending
 
-    def _program(
-        self, kind: str, rows: int, attn_len: int = 0, chunk: int = 0, feeds: bool = True
-    ) -> Program:
-        """The key of a program that feeds a draft model where `feeds` (always, without one)."""
-        return Program(kind, rows, attn_len, chunk, feeds_draft=feeds or self.steps.draft_model is None)
-
-    def _dispatch_prefill(self, work: PrefillWork, allowed) -> Pending | None:
-        """A prompt chunk of its own; its token's pending record if it is the prompt's last."""
-        size = next(b for b in self.layout.prefill_buckets if b >= len(work.tokens))
-        request = work.request
-        wants = np.bool_(request.sampling.logprobs is not None)
-        inputs = self._inputs([request], steps=np.ones(1, np.int32), want_logprobs=wants, allowed=allowed)
+    def _dispatch_prefill(self, works: list[PrefillWork], allowed) -> list[Pending]:
+        """The plan's prompt chunks, cut into pieces, as one prefill dispatch (a piece bucket);
+        the pending record of the pieces that end a prompt."""
+        vocab = self.steps.vocab_size
+        pieces, ending = [], []  # each piece's rows; the request a piece ends the prompt of, or None
+        for work in works:
+            rows = work.pieces(PROMPT_PIECE, vocab)
+            pieces += rows
+            ending += [None] * (len(rows) - 1) + [work.request if work.last else None]
+        bucket = self.layout.piece_bucket(len(pieces))
+        owners = [work.request for work in works for _ in range(work.piece_count(PROMPT_PIECE))]
+        owners += [None] * (bucket - len(owners))
+        wants = np.bool_(any(w.request.sampling.logprobs is not None for w in works if w.last))
+        inputs = self._inputs(owners, steps=np.ones(bucket, np.int32), want_logprobs=wants, allowed=allowed)
+        chunk = pack_pieces(pieces, bucket, PROMPT_PIECE, vocab)
         try:
-            self._set_history(work)
-            feeds = request.drafts.drafting and self._feeds_draft()  # else its draft cache stays unfed
-            program = self._program("prefill", 1, chunk=size, feeds=feeds)
-            out = self.device.dispatch(program, inputs, work.packed(size, self.steps.vocab_size))
+            for work in works:
+                self._set_history(work)
+            # A drafting request's draft cache must be fed; others' pages take the draft's K/V too.
+            feeds = any(w.request.drafts.drafting for w in works) and self._feeds_draft()
+            program = prefill_program(bucket, feeds or self.steps.draft_model is None)
+            out = self.device.dispatch(program, inputs, chunk)
         except Exception as e:  # a device failure must not kill the engine
-            self._recover([request], e)
-            return None
-        self.dispatch_counts.count_prefill(len(work.tokens), size)
-        return Pending([request], out.chunk) if work.last else None
+            self._recover([w.request for w in works], e)
+            return []
+        self.dispatch_counts.count_prefill(sum(len(w.tokens) for w in works), program.chunk)
+        return [Pending(ending + [None] * (bucket - len(ending)), out.chunk)] if any(ending) else []
 
     def _dispatch_decode(self, plan: Plan, allowed) -> list[Pending]:
-        """The decode dispatch over the plan's rows: plain steps, verify steps, or one step carrying
-        a prompt chunk (`plan.fused`); the pending records of its rows and of its chunk."""
+        """The decode dispatch over the plan's rows: plain steps or verify steps; the pending record
+        of its rows."""
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
         rows = self.layout.slot_bucket(busy[-1] + 1)
-        owners, fused = plan.decode_owners[:rows], plan.fused
-        steps = dispatch_steps(self.layout.decode_steps, mixed=fused is not None)
-        inputs = self._decode_inputs(owners, steps, fused, allowed)
-        attn_len = self._attention_length(owners, fused)
+        owners, steps = plan.decode_owners[:rows], self.layout.decode_steps
+        inputs = self._decode_inputs(owners, steps, allowed)
+        attn_len = self._attention_length(owners)
         verifying = None
-        if self.speculation and not fused:
+        if self.speculation:
             verifying, records = self.speculation.choose(rows, _drafts(owners), steps)
             self.scheduler.store_drafts(owners, records)
-        chunk = None
         if verifying is not None:  # (the program's draft length, the draft plan)
             program = Program("verify", rows, attn_len, drafts=verifying[0])
             inputs = inputs.replace(plan=verifying[1])
-        elif fused is None:
-            program = self._program("decode", rows, attn_len, feeds=self._feeds_draft())
         else:
-            size = self.layout.mixed_chunk_len(rows)
-            program = self._program("mixed", rows, attn_len, size, feeds=self._feeds_draft())
-            chunk = fused.packed(size, self.steps.vocab_size)
+            program = Program("decode", rows, attn_len, feeds_draft=self._feeds_draft())
         try:
-            if fused is not None:
-                self._set_history(fused)
-            out = self.device.dispatch(program, inputs, chunk)
+            out = self.device.dispatch(program, inputs)
         except Exception as e:
-            self._recover([r for r in owners if r is not None] + ([fused.request] if fused else []), e)
+            self._recover([r for r in owners if r is not None], e)
             return []
-        self.dispatch_counts.count_decode(
-            program.kind, steps, inputs.steps[:rows], fused and len(fused.tokens)
-        )
+        self.dispatch_counts.count_decode(program.kind, steps, inputs.steps[:rows])
         deferred = inputs.deferred[:rows]
         taking = [None if d else r for r, d in zip(owners, deferred, strict=True)]
         verified = (steps, out.checked, out.kinds) if verifying is not None else None
-        pending = [Pending(taking, out.rows, verified)]
         if deferred.any():
             self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
-        if fused is not None and fused.last:
-            pending.append(Pending([fused.request], out.chunk))
-        return pending
+        return [Pending(taking, out.rows, verified)]
 
-    def _decode_inputs(self, owners: list, steps: int, fused: PrefillWork | None, allowed) -> RowInputs:
-        """The inputs of a decode dispatch over `owners`' rows (and a carried chunk's row)."""
+    def _decode_inputs(self, owners: list, steps: int, allowed) -> RowInputs:
+        """The inputs of a decode dispatch over `owners`' rows."""
         row_steps = [0 if r is None else r.dispatch_tokens(steps) for r in owners]
         deferred = [r is not None and r.constraint is not None for r in owners]
         sampled = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
-        if fused is not None:
-            row_steps, deferred, sampled = [*row_steps, 1], [*deferred, False], [*sampled, fused.request]
-            owners = [*owners, fused.request]
         return self._inputs(
             owners,
             steps=np.array(row_steps, np.int32),
@@ -365,16 +356,13 @@ class Engine:
         """A dispatch's inputs, a row per owner (`jinfer.inputs.row_inputs`)."""
         return row_inputs(owners, self.steps.processors, **fields)
 
-    def _attention_length(self, owners: list, fused: PrefillWork | None) -> int:
+    def _attention_length(self, owners: list) -> int:
         """The attention bucket of a decode dispatch. The device may be one dispatch ahead of what
         the host has read, and this dispatch adds up to decode_steps x (draft tokens + 1)
-        positions: a bucket that surely holds them all (and the carried prompt chunk's)."""
+        positions: a bucket that surely holds them all."""
         per_dispatch = positions_written(self.layout.decode_steps, self.layout.draft_tokens)
         furthest = max(len(r.prompt_ids) + len(r.output_ids) for r in owners if r is not None)
-        furthest += 2 * per_dispatch + 1
-        if fused is not None:
-            furthest = max(furthest, fused.start + len(fused.tokens))
-        return self.layout.attention_bucket(furthest)
+        return self.layout.attention_bucket(furthest + 2 * per_dispatch + 1)
 
     def _sample_deferred(self) -> None:
         """Dispatch `sample` for the rows the last decode deferred, under their allowed sets. Those

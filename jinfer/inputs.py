@@ -10,8 +10,8 @@ and everything else follows from that declaration:
   * `neutral_inputs`: a dispatch where no row uses anything (warm-up, the engine's starting point);
   * the cluster's messages (`jinfer.cluster` encodes any `struct.dataclass` field by field).
 
-Rows ("rows") are the dispatch's decode rows, slots 0..rows-1, then one row per prompt chunk it
-carries (prefill: the chunk's row alone; a mixed dispatch: rows + 1). A new per-row feature (an
+Rows ("rows") are a decode dispatch's rows, slots 0..rows-1, or a prefill dispatch's prompt
+pieces, one row each (`jinfer.state.PrefillChunk`). A new per-row feature (an
 adapter index, a steering row, a processor's parameters) is one field here plus its use in the
 steps; rows that do not use it get its neutral value.
 
@@ -76,7 +76,7 @@ class DraftPlan:
 class RowInputs:
     """The per-row inputs of one dispatch (host values; see the module docstring for the rows)."""
 
-    steps: Any  # [rows] int32: the decode steps a row takes part in (0: idle; a chunk's row: 1)
+    steps: Any  # [rows] int32: the decode steps a row takes part in (0: idle; a piece's row: 1)
     deferred: Any  # [rows] bool: fed, not sampled; its logits wait in the state for `sample`
     want_logprobs: Any  # [] bool: some sampled row asks for log-probs
     allowed: Any  # [slots, W] int32 allowed-token bitmask by slot, or None: no row constrained
@@ -176,10 +176,10 @@ def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -
 class Program(NamedTuple):
     """One compiled variant of the steps: its kind and the bucket sizes it was built for."""
 
-    kind: str  # "prefill" | "decode" | "mixed" | "verify" | "sample"
-    rows: int  # decode rows (a slot bucket); a prefill's: 1 (its chunk's)
+    kind: str  # "prefill" | "decode" | "verify" | "sample"
+    rows: int  # decode rows (a slot bucket); a prefill's: its prompt pieces (a piece bucket)
     attn_len: int = 0  # the attention bucket of decode rows (0: a prefill's or sample's none)
-    chunk: int = 0  # prompt tokens carried, padded (prefill, mixed)
+    chunk: int = 0  # prompt tokens carried, padded (prefill: pieces x PROMPT_PIECE)
     drafts: int = 0  # verify: the longest draft length
     feeds_draft: bool = True  # with a draft model: whether the draft model's passes run too
 
@@ -189,6 +189,6 @@ class DispatchOutput:
     """What a program returns besides the cache and the state (device arrays, read one dispatch late)."""
 
     rows: StepOutput | None  # [steps (x (k + 1) verifying), rows]: the decode rows' tokens
-    chunk: StepOutput | None = None  # [1, 1]: the token after a prompt chunk (prefill, mixed)
+    chunk: StepOutput | None = None  # [1, pieces]: the token after each prompt piece (prefill)
     checked: Any = None  # [steps, rows] int32: drafts checked per verify step and row
     kinds: Any = None  # [steps, rows] int32: their kind

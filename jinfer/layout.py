@@ -9,11 +9,11 @@ start-up log all read. The per-platform choices live here and nowhere else:
                        fast as whole rows; 16 cost it ~15%), 16 on an accelerator (JAX's and
                        vLLM's default, not yet measured on one here)
     max_seq_len        capped at the model's context window and at the pool
-    prefill_buckets    none longer than max_seq_len
+    prompt pieces      how many a prefill dispatch may carry: the token budget's, bucketed
     attention kernel   CPU C++ / GPU Pallas / none (XLA's einsums), and so the attention buckets
     packed weights     the CPU matmul kernel where it runs (and, asked for "auto", memory allows)
     quantized weights  kept (and multiplied by their CPU kernel) where it runs, else dequantized
-    slot buckets, mixed chunk sizes  (functions of the above)
+    slot buckets       (a function of the above)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jinfer.config import COLUMN_TILE, EngineConfig, ModelConfig
+from jinfer.config import PROMPT_PIECE, EngineConfig, ModelConfig
 from jinfer.kernels import cpu_attention, cpu_matmul, cpu_quant_matmul, gpu_attention
 
 
@@ -48,12 +48,10 @@ class Layout:
     max_slots: int
     max_seq_len: int
     max_queue: int
-    prefill_buckets: tuple[int, ...]
-    prefill_token_budget: int
+    max_num_batched_tokens: int
     decode_steps: int
     speculative: str  # where draft tokens come from (`config.SPECULATIVE`), or "off"
     draft_tokens: int  # tokens a speculative decode step verifies per row (0: speculation off)
-    mixed_prefill_tokens: int
     dtype: str
     mesh_data: int
     mesh_model: int
@@ -88,9 +86,16 @@ class Layout:
         return (self.num_pages - 1) * self.page_size
 
     @property
-    def chunk_len(self) -> int:
-        """Prompts longer than the largest bucket are prefilled in chunks of this many tokens."""
-        return self.prefill_buckets[-1]
+    def piece_buckets(self) -> tuple[int, ...]:
+        """Prompt pieces (`config.PROMPT_PIECE` tokens each) a prefill dispatch is compiled for:
+        powers of two up to what the token budget holds (at least one piece), and no more than
+        every slot's whole sequence."""
+        most = max(1, self.max_num_batched_tokens // PROMPT_PIECE)
+        most = min(most, self.max_slots * -(-self.max_seq_len // PROMPT_PIECE))
+        return _geometric_buckets(1, 2, most)
+
+    def piece_bucket(self, pieces: int) -> int:
+        return next(b for b in self.piece_buckets if b >= pieces)
 
     @property
     def attention_buckets(self) -> tuple[int, ...]:
@@ -122,23 +127,6 @@ class Layout:
         """The decode rows for `busy` = the highest busy slot + 1."""
         return next(b for b in self.slot_buckets if b >= busy)
 
-    def mixed_chunk_len(self, busy: int) -> int:
-        """Prompt tokens carried by a decode dispatch for `busy` = the highest busy slot + 1 (0 when
-        mixing is off); the dispatch decodes rows = slot_bucket(busy).
-
-        At least `mixed_prefill_tokens`, more where the step's extra columns come free. XLA's
-        products cost whole COLUMN_TILEs, so rows + chunk are rounded up to fill them (a 1-slot step
-        carries 7 tokens for the price of 5). With packed weights the kernel's first 8 columns wait
-        on the weights' bytes, each column past them on its multiplies, so the chunk only fills
-        the first tile (8 slots: 4 tokens, 12 columns, where 16 cost 1.5x a plain step).
-        """
-        if not self.mixed_prefill_tokens:
-            return 0
-        rows = self.slot_bucket(busy)
-        if self.packed_weights:
-            return max(self.mixed_prefill_tokens, COLUMN_TILE - rows)
-        return -(-(rows + self.mixed_prefill_tokens) // COLUMN_TILE) * COLUMN_TILE - rows
-
     def describe_pool(self, bytes_per_token: int) -> str:
         """One line for the start-up log: the KV page pool and what it holds."""
         full = self.kv_cache_tokens // self.max_seq_len
@@ -158,7 +146,6 @@ class Layout:
         )
         products = ", ".join(name for on, name in kernels if on) or "XLA's dot"
         attention = {"cpu": "jinfer's C++ kernel", "gpu": "Pallas kernel", None: "XLA's einsums"}
-        mixed = f", mixed prefill {self.mixed_prefill_tokens}+ tokens" if self.mixed_prefill_tokens else ""
         steps = f"{self.decode_steps} decode step{'s' * (self.decode_steps != 1)} per dispatch"
         if self.draft_tokens:
             variants = " ".join(f"{rows}x{k}" for rows, k in self.verify_variants) or "none"
@@ -166,8 +153,9 @@ class Layout:
             steps += f" (slots x drafts: {variants})"
         return (
             f"products: {products}; attention: {attention[self.attention_kernel]}; "
-            f"prefill buckets {','.join(map(str, self.prefill_buckets))}; slot buckets "
-            f"{','.join(map(str, self.slot_buckets))}; {steps}{mixed}"
+            f"{self.max_num_batched_tokens} batched tokens per iteration (prompt pieces "
+            f"{','.join(map(str, self.piece_buckets))} x {PROMPT_PIECE}); slot buckets "
+            f"{','.join(map(str, self.slot_buckets))}; {steps}"
         )
 
 
@@ -282,12 +270,10 @@ def resolve_layout(
         max_slots=config.max_slots,
         max_seq_len=max_seq_len,
         max_queue=config.max_queue,
-        prefill_buckets=tuple(sorted({min(b, max_seq_len) for b in config.prefill_buckets})),
-        prefill_token_budget=config.prefill_token_budget,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         decode_steps=config.decode_steps,
         speculative=config.speculative,
         draft_tokens=config.num_draft_tokens if config.speculative != "off" else 0,
-        mixed_prefill_tokens=config.mixed_prefill_tokens,
         dtype=config.dtype,
         mesh_data=config.mesh_data,
         mesh_model=config.mesh_model,

@@ -28,12 +28,10 @@ class DispatchCounts:
     ones pad the dispatch to its slot bucket. active / steps is the mean decode batch.
     """
 
-    prefill_dispatches: int = 0  # prompt chunks dispatched on their own
+    prefill_dispatches: int = 0  # dispatches of prompt pieces
     prefill_tokens: int = 0  # their prompt tokens...
-    prefill_padding: int = 0  # ... and the padding up to their buckets
-    decode_dispatches: int = 0  # decode dispatches, mixed ones included
-    mixed_dispatches: int = 0  # decode dispatches that carried a prompt chunk
-    mixed_tokens: int = 0  # the prompt tokens they carried
+    prefill_padding: int = 0  # ... and the padding up to whole pieces and a piece bucket
+    decode_dispatches: int = 0  # decode dispatches, verify ones included
     decode_steps: int = 0
     decode_active_row_steps: int = 0
     decode_idle_row_steps: int = 0
@@ -43,21 +41,19 @@ class DispatchCounts:
     accepted_tokens: int = 0  # ... and accepted (each beside the token the step makes anyway)
 
     def count_prefill(self, tokens: int, size: int) -> None:
-        """A prompt chunk of `tokens` dispatched on its own, padded to `size`."""
+        """A prefill dispatch of `tokens` prompt tokens, padded to `size`."""
         self.prefill_dispatches += 1
         self.prefill_tokens += tokens
         self.prefill_padding += size - tokens
 
-    def count_decode(self, kind: str, steps: int, row_steps, carried: int | None) -> None:
-        """A decode dispatch of `kind` ("decode", "mixed", "verify"): `steps` steps over rows that
-        take part in row_steps [rows] of them, carrying `carried` prompt tokens (mixed)."""
+    def count_decode(self, kind: str, steps: int, row_steps) -> None:
+        """A decode dispatch of `kind` ("decode", "verify"): `steps` steps over rows that take part
+        in row_steps [rows] of them."""
         active = int(sum(row_steps))
         self.decode_dispatches += 1
         self.decode_steps += steps
         self.decode_active_row_steps += active
         self.decode_idle_row_steps += len(row_steps) * steps - active
-        self.mixed_dispatches += kind == "mixed"
-        self.mixed_tokens += carried or 0
         self.verify_dispatches += kind == "verify"
 
 
@@ -83,18 +79,12 @@ class _DispatchCollector:
         row_steps.add_metric(["idle"], c.decode_idle_row_steps)
         yield from (
             CounterMetricFamily(
-                "jinfer_prefill_dispatches", "Prompt chunks dispatched on their own", c.prefill_dispatches
+                "jinfer_prefill_dispatches", "Dispatches of prompt pieces", c.prefill_dispatches
             ),
             prefill_tokens,
             CounterMetricFamily("jinfer_decode_dispatches", "Decode dispatches", c.decode_dispatches),
             CounterMetricFamily("jinfer_decode_steps", "Decode steps run on the device", c.decode_steps),
             row_steps,
-            CounterMetricFamily(
-                "jinfer_mixed_dispatches", "Decode dispatches carrying a prompt chunk", c.mixed_dispatches
-            ),
-            CounterMetricFamily(
-                "jinfer_mixed_prompt_tokens", "Prompt tokens carried by decode dispatches", c.mixed_tokens
-            ),
             CounterMetricFamily(
                 "jinfer_sample_dispatches",
                 "Dispatches sampling constrained rows under their allowed sets",

@@ -1,6 +1,6 @@
 """What the host knows of one request while it runs: `Request` (its ids, settings, pages, progress
 and timings, kept by the scheduler), the `RequestOutput` events its sink receives, and the
-`PrefillWork` the scheduler plans for it (packed for the device by `PrefillWork.packed`).
+`PrefillWork` the scheduler plans for it (cut into pieces for the device by `PrefillWork.pieces`).
 
 Plain Python: the scheduler (`jinfer.scheduler`) owns every change to a request; the engine and
 the server read them.
@@ -18,7 +18,7 @@ import numpy as np
 from jinfer.paging import SequencePages
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.speculation import DraftRecord
-from jinfer.state import PackedChunk, pack_chunk
+from jinfer.state import pack_piece
 from jinfer.structured import Constraint
 from jinfer.tokenizer import TextStream
 
@@ -146,17 +146,13 @@ class PrefillWork:
     last: bool  # the final chunk: its sampled token is the request's next output token
     first: bool  # the first chunk this admission computes (the slot's penalty history is set then)
 
-    def packed(self, size: int, vocab: int) -> PackedChunk:
-        """The chunk and its request's settings packed for the device, padded to `size` tokens."""
-        tokens = np.zeros(size, np.int32)
-        tokens[: len(self.tokens)] = self.tokens
+    def pieces(self, piece_len: int, vocab: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The chunk cut into pieces of `piece_len` tokens (the last padded), each packed with its
+        request's settings for the device (`jinfer.state.pack_piece`); only the chunk's final piece
+        may end the prompt."""
         request, sp = self.request, self.request.sampling
-        return pack_chunk(
-            tokens,
+        settings = dict(
             slot=self.slot,
-            start=self.start,
-            length=len(self.tokens),
-            last=self.last,
             generated=request.generated_before,
             min_tokens=sp.min_tokens,
             bias=sp.logit_bias or {},
@@ -164,6 +160,21 @@ class PrefillWork:
             sampling=SamplingArrays.from_params([sp], [request.seed]),
             vocab=vocab,
         )
+        rows = []
+        for at in range(0, len(self.tokens), piece_len):
+            part = self.tokens[at : at + piece_len]
+            tokens = np.zeros(piece_len, np.int32)
+            tokens[: len(part)] = part
+            final = at + piece_len >= len(self.tokens)
+            rows.append(
+                pack_piece(
+                    tokens, start=self.start + at, length=len(part), last=self.last and final, **settings
+                )
+            )
+        return rows
+
+    def piece_count(self, piece_len: int) -> int:
+        return -(-len(self.tokens) // piece_len)
 
 
 class Event(NamedTuple):

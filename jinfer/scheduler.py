@@ -2,11 +2,14 @@
 
 Plain Python, never a jax array. The engine asks for a `Plan` each iteration (which prompt chunks
 to prefill into which slots, and which request owns each slot for the decode dispatch), runs it
-on the device, and later hands the device's tokens back to `commit`, the one place that decides
-a request is finished. Finishing frees the slot; the next plan may give it to a waiting request.
+on the device (the chunks, cut into pieces, in one prefill dispatch; then the decode dispatch),
+and later hands the device's tokens back to `commit`, the one place that decides a request is
+finished. Finishing frees the slot; the next plan may give it to a waiting request.
 
     submit -> waiting (bounded) -> plan: a slot and the pages of its prompt (a cached prefix
-              shared, `jinfer.paging`), the rest prefilled chunk by chunk
+              shared, `jinfer.paging`), the rest prefilled chunk by chunk, as the token budget of
+              each iteration allows (decode tokens first, then prompt chunks of every request
+              part-way through its prompt and of as many admissions as fit)
            -> running: pages added as it grows; tokens committed one by one
            -> stop / length / abort / error -> slot and pages freed (full pages stay cached)
     running, and the pool out of pages -> the latest admitted is preempted: back to the head of
@@ -29,11 +32,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
 
 import numpy as np
 
-from jinfer.config import dispatch_steps
+from jinfer.config import PROMPT_PIECE
 from jinfer.paging import KVPages
 from jinfer.request import Event, PrefillWork, Request, RequestOutput, deliver, positions_written
 from jinfer.tokenizer import Tokenizer
@@ -55,9 +57,8 @@ class Committed:
 
 @dataclasses.dataclass
 class Plan:
-    prefills: list[PrefillWork]  # chunks dispatched on their own, before the decode dispatch
+    prefills: list[PrefillWork]  # chunks of one prefill dispatch, before the decode dispatch
     decode_owners: list[Request | None]  # per slot; None = inactive this dispatch
-    fused: PrefillWork | None = None  # a chunk carried by the decode dispatch (mixed prefill)
     events: list[Event] = dataclasses.field(default_factory=list)  # cancelled requests' endings
 
     @property
@@ -71,23 +72,19 @@ class Scheduler:
         tokenizer: Tokenizer,
         max_slots: int,
         max_queue: int,
-        chunk_len: int,
         token_budget: int,
         kv: KVPages,
-        mixed_chunk_len: Callable[[int], int] | None = None,
         decode_steps: int = 1,
         draft_tokens: int = 0,
+        piece_len: int = PROMPT_PIECE,
     ):
         self.tokenizer = tokenizer
         self.decode_steps = decode_steps  # tokens a decode dispatch produces per slot
         self.draft_tokens = draft_tokens  # draft tokens a verify step takes per speculative slot
         self.max_queue = max_queue
-        self.chunk_len = chunk_len
-        self.token_budget = token_budget
+        self.token_budget = token_budget  # tokens an iteration computes, decode tokens first
+        self.piece_len = piece_len  # prompt chunks take whole pieces of the budget
         self.kv = kv
-        # Prompt tokens a decode dispatch can carry, given how many slots it decodes (the highest
-        # busy slot + 1); None: prompts are never carried by decode dispatches.
-        self.mixed_chunk_len = mixed_chunk_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.by_id: dict[str, Request] = {}
@@ -126,10 +123,10 @@ class Scheduler:
         """Apply cancellations, give running requests the pages their next tokens need (preempting
         the latest admitted when the pool runs out), schedule prompt chunks, list decoders.
 
-        Prompt chunks go to requests part-way through a long prompt first, then to new admissions.
-        With mixed prefill on and some request decoding, one chunk of at most `mixed_chunk_len(busy)`
-        tokens rides along the decode dispatch; otherwise chunks of up to `chunk_len` are
-        dispatched on their own, within the iteration's token budget.
+        The iteration's token budget goes to the decode tokens first; what is left, in whole pieces
+        (at least one), to prompt chunks: requests part-way through a prompt first, then as many
+        admissions as a slot, the pool and the budget allow, each chunk as long as its prompt's
+        rest or the pieces left.
         """
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
@@ -139,18 +136,13 @@ class Scheduler:
                 self._finish(request, "abort")
         self._grow_running()
 
-        owners = self._decode_owners() if self.mixed_chunk_len else []
-        if any(owners):
-            busy = max(slot for slot, r in enumerate(owners) if r is not None) + 1
-            fused = next(self._needing_prefill(), None)
-            plan = Plan([], owners, fused and self._next_chunk(fused, self.mixed_chunk_len(busy)))
-            return self._in_flight(plan)
+        decoding = sum(r.dispatch_tokens(self.decode_steps) for r in self._decode_owners() if r is not None)
+        pieces = max(1, (self.token_budget - decoding) // self.piece_len)
         prefills: list[PrefillWork] = []
-        budget = self.token_budget
         for request in self._needing_prefill():
-            prefills.append(self._next_chunk(request, self.chunk_len))
-            budget -= len(prefills[-1].tokens)
-            if budget <= 0:
+            prefills.append(self._next_chunk(request, pieces * self.piece_len))
+            pieces -= prefills[-1].piece_count(self.piece_len)
+            if pieces <= 0:
                 break
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
         # (the device runs the prefill first; its admission gave it pages for that).
@@ -161,12 +153,11 @@ class Scheduler:
         return [r if r is not None and r.wants_decode else None for r in self.slots]
 
     def _in_flight(self, plan: Plan) -> Plan:
-        """Count the tokens the plan's decode dispatch will produce for each of its requests: one
-        step when it carries a prompt chunk, `decode_steps` otherwise. Attach the plan's events."""
-        steps = dispatch_steps(self.decode_steps, mixed=plan.fused is not None)
+        """Count the tokens the plan's decode dispatch will produce for each of its requests (its
+        `decode_steps`). Attach the plan's events."""
         for request in plan.decode_owners:
             if request is not None:
-                request.in_flight += request.dispatch_tokens(steps)
+                request.in_flight += request.dispatch_tokens(self.decode_steps)
         plan.events, self._events = self._events, []
         return plan
 

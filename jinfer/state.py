@@ -3,9 +3,9 @@
 `STATE` declares every per-slot array of `SlotState` (the axes it spans, its dtype, the value of an
 empty slot); the zeros of a fresh engine (`new_state`) and the shardings (`state_shardings`: slots
 over the data axis) are derived from it. A prompt chunk crosses to the device as one int32 and one
-float32 array (`PackedChunk`): their fields, in order, are declared in `_INT_FIELDS` /
-`_FLOAT_FIELDS`, and both the host's packing (`pack_chunk`) and the device's unpacking
-(`PackedChunk.unpack`) take their offsets from that declaration.
+float32 array (`PackedChunk`), a row per piece: their fields, in order, are declared in
+`_INT_FIELDS` / `_FLOAT_FIELDS`, and both the host's packing (`pack_piece`) and the device's
+unpacking (`PackedChunk.unpack`) take their offsets from that declaration.
 
 The transitions every decoding verb shares live here too: a decode over slots 0..rows-1 works on
 their rows (`rows_of`, `put_rows`; `scan_rows` runs several steps of it), and `sample_rows`
@@ -176,22 +176,24 @@ def advance_rows(state: SlotState, tokens: jax.Array, taken: jax.Array) -> SlotS
     )
 
 
-# ------------------------------------------------------------------------------- prompt chunks
+# ------------------------------------------------------------------------------- prompt pieces
 @struct.dataclass
 class PrefillChunk:
-    """One request's prompt chunk and its settings, as the steps see it (`PackedChunk.unpack`)."""
+    """A dispatch's prompt pieces and their requests' settings, as the steps see them
+    (`PackedChunk.unpack`): P pieces of T tokens, each a run of one request's prompt (a request's
+    chunk may span several consecutive pieces; a padding piece has length 0)."""
 
-    tokens: jax.Array  # [1, T] int32, padded to a bucket
-    slot: jax.Array  # [] int32
-    start: jax.Array  # [] int32: position of tokens[0, 0]
-    length: jax.Array  # [] int32: real tokens in this chunk
-    last: jax.Array  # [] bool: the prompt's final chunk (only its logits are used)
-    generated: jax.Array  # [] int32: output tokens the request had before this prefill (preemption)
-    min_tokens: jax.Array  # [] int32
-    bias_ids: jax.Array  # [MAX_LOGIT_BIAS] int32, padded with V (dropped)
-    bias_values: jax.Array  # [MAX_LOGIT_BIAS] float32
-    stop_ids: jax.Array  # [MAX_STOP_IDS] int32, padded with V (dropped)
-    sampling: SamplingArrays  # [1]
+    tokens: jax.Array  # [P, T] int32
+    slot: jax.Array  # [P] int32
+    start: jax.Array  # [P] int32: position of each piece's first token
+    length: jax.Array  # [P] int32: real tokens in each piece (0: a padding piece)
+    last: jax.Array  # [P] bool: the piece ends its request's prompt (only its logits are used)
+    generated: jax.Array  # [P] int32: output tokens the request had before this prefill (preemption)
+    min_tokens: jax.Array  # [P] int32
+    bias_ids: jax.Array  # [P, MAX_LOGIT_BIAS] int32, padded with V (dropped)
+    bias_values: jax.Array  # [P, MAX_LOGIT_BIAS] float32
+    stop_ids: jax.Array  # [P, MAX_STOP_IDS] int32, padded with V (dropped)
+    sampling: SamplingArrays  # [P]
 
 
 _KNOBS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
@@ -200,7 +202,7 @@ _INT_KNOBS = tuple(n for n in _KNOBS if not np.issubdtype(getattr(_EMPTY_KNOBS, 
 _FLOAT_KNOBS = tuple(n for n in _KNOBS if n not in _INT_KNOBS)
 _SCALARS = ("slot", "start", "length", "last", "generated", "min_tokens")
 _BOOLS = ("last",)
-# (field, length) in array order; the int32 array ends with the tokens, of the chunk's bucket size.
+# (field, length) in a piece's row order; the int32 row ends with the piece's tokens.
 _INT_FIELDS = (
     *((n, 1) for n in _SCALARS),
     ("bias_ids", MAX_LOGIT_BIAS),
@@ -219,33 +221,39 @@ def _offsets(fields) -> dict[str, tuple[int, int]]:
 
 
 _INT_AT, _FLOAT_AT = _offsets(_INT_FIELDS), _offsets(_FLOAT_FIELDS)
-_TOKENS = sum(length for _, length in _INT_FIELDS)  # where the tokens begin
+_TOKENS = sum(length for _, length in _INT_FIELDS)  # where a row's tokens begin
+_INT_WIDTH, _FLOAT_WIDTH = _TOKENS, sum(length for _, length in _FLOAT_FIELDS)
 
 
 @struct.dataclass
 class PackedChunk:
-    """A PrefillChunk as it crosses to the device: one int32 and one float32 array. Each array
-    handed to a jitted call is a host->device copy of its own (as seventeen arrays, a chunk cost
-    a mixed dispatch 4.6 ms of host time on a 2-core CPU; packed, 0.3 ms); the steps unpack it."""
+    """A PrefillChunk as it crosses to the device: one int32 array [P, fields + T] and one float32
+    array [P, fields], a row per piece. Each array handed to a jitted call is a host->device copy
+    of its own (as seventeen arrays, a chunk cost a dispatch 4.6 ms of host time on a 2-core CPU;
+    packed, 0.3 ms); the steps unpack it."""
 
     ints: jax.Array
     floats: jax.Array
 
-    # Host-side reads (what the engine scheduled; tests look at them).
-    slot = property(lambda self: int(self.ints[_INT_AT["slot"][0]]))
-    start = property(lambda self: int(self.ints[_INT_AT["start"][0]]))
-    length = property(lambda self: int(self.ints[_INT_AT["length"][0]]))
-    last = property(lambda self: bool(self.ints[_INT_AT["last"][0]]))
-    size = property(lambda self: self.ints.shape[0] - _TOKENS)  # tokens, with padding
+    # Host-side reads, per piece (what the engine scheduled; tests look at them).
+    slot = property(lambda self: self._column("slot"))
+    start = property(lambda self: self._column("start"))
+    length = property(lambda self: self._column("length"))
+    last = property(lambda self: self._column("last").astype(bool))
+    pieces = property(lambda self: self.ints.shape[0])
+    piece_len = property(lambda self: self.ints.shape[1] - _TOKENS)  # tokens per piece, with padding
+
+    def _column(self, name: str) -> np.ndarray:
+        return np.asarray(self.ints)[:, _INT_AT[name][0]]
 
     def unpack(self) -> PrefillChunk:
-        ints = {name: self.ints[a:b] for name, (a, b) in _INT_AT.items()}
-        floats = {name: self.floats[a:b] for name, (a, b) in _FLOAT_AT.items()}
-        scalars = {n: ints[n][0] != 0 if n in _BOOLS else ints[n][0] for n in _SCALARS}
-        knobs = {n: ints[n] for n in _INT_KNOBS} | {n: floats[n] for n in _FLOAT_KNOBS}
+        ints = {name: self.ints[:, a:b] for name, (a, b) in _INT_AT.items()}
+        floats = {name: self.floats[:, a:b] for name, (a, b) in _FLOAT_AT.items()}
+        scalars = {n: ints[n][:, 0] != 0 if n in _BOOLS else ints[n][:, 0] for n in _SCALARS}
+        knobs = {n: ints[n][:, 0] for n in _INT_KNOBS} | {n: floats[n][:, 0] for n in _FLOAT_KNOBS}
         knobs["seed"] = jax.lax.bitcast_convert_type(knobs["seed"], jnp.uint32)
         return PrefillChunk(
-            tokens=self.ints[_TOKENS:][None, :],
+            tokens=self.ints[:, _TOKENS:],
             bias_ids=ints["bias_ids"],
             bias_values=floats["bias_values"],
             stop_ids=ints["stop_ids"],
@@ -254,7 +262,7 @@ class PackedChunk:
         )
 
 
-def pack_chunk(
+def pack_piece(
     tokens: np.ndarray,
     *,
     slot: int,
@@ -267,8 +275,9 @@ def pack_chunk(
     stop_ids,
     sampling: SamplingArrays,
     vocab: int,
-) -> PackedChunk:
-    """Host-side construction of a chunk (the sparse lists padded to fixed sizes, id V = dropped)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side construction of one piece's rows (int32, float32): the sparse lists padded to fixed
+    sizes, id V = dropped; `sampling` the request's knobs [1]."""
     items = list(bias.items())
     bias_ids = np.full(MAX_LOGIT_BIAS, vocab, np.int32)
     bias_ids[: len(items)] = [i for i, _ in items]
@@ -285,10 +294,23 @@ def pack_chunk(
     as_array = lambda value, dtype: np.asarray(value, dtype).reshape(-1)
     packed_ints = [as_array(ints[name], np.int32) for name, _ in _INT_FIELDS]
     packed_floats = [as_array(floats[name], np.float32) for name, _ in _FLOAT_FIELDS]
-    return PackedChunk(
-        ints=np.concatenate([*packed_ints, np.asarray(tokens, np.int32)]),
-        floats=np.concatenate(packed_floats),
+    return np.concatenate([*packed_ints, np.asarray(tokens, np.int32)]), np.concatenate(packed_floats)
+
+
+def pack_pieces(
+    rows: list[tuple[np.ndarray, np.ndarray]], pieces: int, piece_len: int, vocab: int
+) -> PackedChunk:
+    """`pack_piece` rows stacked into a chunk of `pieces` pieces of `piece_len` tokens, the rows
+    past them padding pieces (length 0, greedy: they write nothing and their token is never read)."""
+    padding = pack_piece(
+        np.zeros(piece_len, np.int32), slot=0, start=0, length=0, last=False, generated=0, min_tokens=0,
+        bias={}, stop_ids=(), sampling=_EMPTY_KNOBS, vocab=vocab,
     )
+    ints = np.tile(padding[0], (pieces, 1))
+    floats = np.tile(padding[1], (pieces, 1))
+    for i, (piece_ints, piece_floats) in enumerate(rows):
+        ints[i], floats[i] = piece_ints, piece_floats
+    return PackedChunk(ints=ints, floats=floats)
 
 
 def set_history(state: SlotState, packed: jax.Array, *, vocab: int) -> SlotState:

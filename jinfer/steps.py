@@ -8,13 +8,17 @@ change), its per-row inputs typed (`jinfer.inputs.RowInputs`), a prompt chunk wh
 
 `Steps.programs` maps each compiled variant's key (`jinfer.inputs.Program`) to its jitted function:
 
-  prefill[chunk]
-      One prompt chunk (padded to a length bucket) is run with its K/V written straight into its
-      sequence's pages, at positions start.. (so a long prompt is just several chunks, each
+  prefill[pieces]
+      Prompt pieces (`config.PROMPT_PIECE` tokens each, a bucket of them) of as many requests as
+      the scheduler fit into the iteration's token budget, one forward over them all: each piece
+      is a row in its request's slot, its K/V written straight into the sequence's pages at
+      positions start.. (so a long prompt is several pieces, in one dispatch or over several, each
       attending to the ones before it, and a prompt whose first pages came from the prefix cache
-      starts past them). The last real position's logits give the request's first token, sampled
-      on device; the slot's state row is (re)initialised from the request (sampling knobs, logit
-      bias, stop ids, how many tokens it generated before a preemption).
+      starts past them). The last real position of a prompt's last piece gives the request's
+      first token, sampled on device; its slot's state row is (re)initialised from the request
+      (sampling knobs, logit bias, stop ids, how many tokens it generated before a preemption).
+      Decode tokens run in their own dispatch beside it: the few-column kernels give a decode
+      row the same bits whatever else runs, which a product shared with prompt columns would not.
   decode[rows, attn_len]
       `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
       slot's last token, samples the next one per slot and keeps it on device for the following
@@ -22,11 +26,6 @@ change), its per-row inputs typed (`jinfer.inputs.RowInputs`), a prompt chunk wh
       part computes too (shapes are fixed) but neither writes nor advances. A deferred slot (a
       constrained request: one step) is fed and written but not sampled: its logits wait in the
       state for `sample`.
-  mixed[rows, attn_len, chunk]
-      One decode step that also prefills a prompt chunk (padded to `mixed_chunk_len(rows)`) into
-      another slot: every weight is read once for both (the family's `forward_groups`), so a prompt
-      arriving while others stream stretches their next step a little instead of inserting a
-      whole prefill dispatch between two of their tokens.
   verify[rows, attn_len, drafts]
       Decode steps that each verify up to `drafts` draft tokens a row (`jinfer.speculative`;
       n-gram drafts: each step picks its length, plain included, `speculative.verify_programs`).
@@ -37,7 +36,7 @@ change), its per-row inputs typed (`jinfer.inputs.RowInputs`), a prompt chunk wh
       decode before still runs, ahead of the next one), advancing them as a decode step would.
 
 The weights and the caches are `jinfer.weights`' trees: with a draft model (`jinfer.draft`) every
-pass over tokens writes the draft's K/V too, and prefill, decode and mixed also come without the
+pass over tokens writes the draft's K/V too, and prefill and decode also come without the
 draft's passes (`Program.feeds_draft` False), for batches no verify step could pay for.
 
 Two small verbs keep the rest exact: `history` sets a slot's prompt-token mask, output-token
@@ -51,7 +50,7 @@ highest busy slot; the scheduler fills the lowest free slot first) keeps a light
 from paying for every slot, and `attn_len` keeps attention to the filled part of the cache (with
 an attention kernel, which reads only each row's filled part itself, there is one `attn_len`).
 Log-probs are computed under `lax.cond` when some request asks for them: no variant of their own.
-Prefill and the mixed chunk sample their request's first token under the inputs' `allowed`
+Prefill samples each request's first token under the inputs' `allowed`
 bitmask [slots, ceil(V / 32)] (all bits set for a slot without a constraint), applied only when
 some row is constrained (`lax.cond`). Only int32 tokens, per-slot flags and (when asked) log-probs
 leave the device; the engine reads them one iteration late so the host overlaps the device.
@@ -69,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinfer.config import COLUMN_TILE, ModelConfig, dispatch_steps
+from jinfer.config import PROMPT_PIECE, ModelConfig
 from jinfer.draft import run_model
 from jinfer.inputs import DispatchOutput, Program, RowInputs, RowProcessor, input_shardings
 from jinfer.kv_cache import KVCache, init_cache
@@ -85,7 +84,6 @@ from jinfer.state import (
     RowStep,
     SlotState,
     new_state,
-    put_rows,
     rows_of,
     sample_rows,
     scan_rows,
@@ -97,74 +95,76 @@ from jinfer.weights import Caches
 
 
 def _chunk_group(chunk: PrefillChunk) -> TokenGroup:
+    """The pieces as one token group: a row per piece, in its request's slot (several rows may
+    share a slot: consecutive pieces of one prompt, every row's K/V written before any attends);
+    a padding piece is an inactive row."""
     offsets = jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)[None, :]
     return TokenGroup(
-        chunk.tokens, chunk.start + offsets, chunk.slot[None], valid=offsets < chunk.length
+        chunk.tokens,
+        chunk.start[:, None] + offsets,
+        chunk.slot,
+        active=chunk.length > 0,
+        valid=offsets < chunk.length[:, None],
     )
 
 
 def _last_real(hidden: jax.Array, chunk: PrefillChunk) -> jax.Array:
-    """The hidden state [1, D] of the chunk's last real token (its logits give the next token)."""
-    return jax.lax.dynamic_index_in_dim(hidden, chunk.length - 1, axis=1, keepdims=False)
+    """The hidden state [P, D] of each piece's last real token (a last piece's gives the next token)."""
+    last = jnp.maximum(chunk.length - 1, 0)
+    return hidden[jnp.arange(hidden.shape[0]), last]
 
 
-def _no_logits(vocab: int) -> jax.Array:
-    """Stand-in logits [1, V] for a chunk before a prompt's last: its sampled token is discarded,
-    so its lm_head product is skipped (`lax.cond` on `chunk.last`)."""
-    return jnp.zeros((1, vocab), jnp.float32)
-
-
-def _start_slot(
+def _start_slots(
     state: SlotState, chunk: PrefillChunk, logits, allowed, vocab: int, want_logprobs, processors
 ):
-    """Sample a token from a prompt chunk's last logits [1, V] and (re)initialise the slot's state row.
+    """Sample a token from each piece's last logits [P, V] and (re)initialise the slot's state row
+    of every piece that ends its request's prompt; other pieces' tokens are discarded.
 
-    The token sampled after a prompt's last chunk is the request's next output token (the first,
-    unless a preemption made it prefill its earlier output again); earlier chunks' are discarded.
-    The penalties read the row's prompt mask and output counts as `history` left them (a fresh
-    request's counts start at zero).
+    A last piece's token is its request's next output token (the first, unless a preemption made
+    it prefill its earlier output again). The penalties read the row's prompt mask and output counts
+    as `history` left them (a fresh request's counts start at zero). Every piece writes its tokens
+    into its slot's token history (where speculative drafts look them up).
     """
-    slot = chunk.slot
-    bias_row = jnp.zeros((vocab,), jnp.float32).at[chunk.bias_ids].set(chunk.bias_values, mode="drop")
-    stop_row = jnp.zeros((vocab,), bool).at[chunk.stop_ids].set(True, mode="drop")
-    counts_row = jnp.where(chunk.generated > 0, state.counts[slot], 0)
-    position = chunk.start + chunk.length  # where the sampled token goes
+    pieces, slots = chunk.slot.shape[0], chunk.slot
+    every = jnp.arange(pieces)[:, None]
+    bias_rows = jnp.zeros((pieces, vocab), jnp.float32).at[every, chunk.bias_ids].set(
+        chunk.bias_values, mode="drop"
+    )
+    stop_rows = jnp.zeros((pieces, vocab), bool).at[every, chunk.stop_ids].set(True, mode="drop")
+    counts_rows = jnp.where(chunk.generated[:, None] > 0, state.counts[slots], 0)
+    position = chunk.start + chunk.length  # where each sampled token goes
     token, out = choose(
         logits,
-        state.prompt_mask[slot][None],
-        counts_row[None],
-        bias_row[None],
-        stop_row[None],
-        (chunk.generated < chunk.min_tokens)[None],
-        allowed[slot][None],
+        state.prompt_mask[slots],
+        counts_rows,
+        bias_rows,
+        stop_rows,
+        chunk.generated < chunk.min_tokens,
+        allowed[slots],
         chunk.sampling,
-        position[None],
+        position,
         want_logprobs,
         processors,
     )
-    set_row = lambda array, value: array.at[slot].set(value)
-    # The chunk's tokens (and the token sampled after a prompt's last) where speculative drafts
-    # look them up; padding and an earlier chunk's discarded token are dropped.
-    offsets = jnp.arange(chunk.tokens.shape[1])
-    seq = state.history.shape[1]
-    at = jnp.where(offsets < chunk.length, chunk.start + offsets, seq)
-    history = state.history.at[slot, at].set(chunk.tokens[0], mode="drop")
-    history = history.at[slot, jnp.where(chunk.last, position, seq)].set(token[0], mode="drop")
+    seq, empty = state.history.shape[1], state.tokens.shape[0]
+    offsets = jnp.arange(chunk.tokens.shape[1])[None, :]
+    at = jnp.where(offsets < chunk.length[:, None], chunk.start[:, None] + offsets, seq)  # padding: dropped
+    history = state.history.at[slots[:, None], at].set(chunk.tokens, mode="drop")
+    history = history.at[slots, jnp.where(chunk.last, position, seq)].set(token, mode="drop")
+    starting = jnp.where(chunk.last, slots, empty)  # only a prompt's last piece starts its slot
+    set_rows = lambda array, values: array.at[starting].set(values, mode="drop")
     state = state.replace(
         history=history,
-        tokens=set_row(state.tokens, token[0]),
-        positions=set_row(state.positions, position),
-        generated=set_row(state.generated, chunk.generated + 1),
-        min_tokens=set_row(state.min_tokens, chunk.min_tokens),
-        # An earlier chunk's token is discarded: it must not count (a resumed row's counts carry on).
-        counts=set_row(
-            state.counts, jnp.where(chunk.last, counts_row.at[token[0]].add(1), state.counts[slot])
-        ),
-        bias=set_row(state.bias, bias_row),
-        stop_mask=set_row(state.stop_mask, stop_row),
-        sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, chunk.sampling),
+        tokens=set_rows(state.tokens, token),
+        positions=set_rows(state.positions, position),
+        generated=set_rows(state.generated, chunk.generated + 1),
+        min_tokens=set_rows(state.min_tokens, chunk.min_tokens),
+        counts=set_rows(state.counts, counts_rows.at[jnp.arange(pieces), token].add(1)),
+        bias=set_rows(state.bias, bias_rows),
+        stop_mask=set_rows(state.stop_mask, stop_rows),
+        sampling=jax.tree.map(set_rows, state.sampling, chunk.sampling),
     )
-    return state, jax.tree.map(lambda x: x[None], out)  # [1 step, 1 row]
+    return state, jax.tree.map(lambda x: x[None], out)  # [1 step, P pieces]
 
 
 def _prefill(
@@ -180,56 +180,38 @@ def _prefill(
     draft_cfg,
     processors,
 ):
-    """One prompt chunk into its slot; its token sampled under the slot's allowed set."""
+    """Prompt pieces into their slots (a row of `inputs` per piece); the token after each piece
+    sampled under its slot's allowed set. The last tokens' logits are one product of P columns,
+    skipped when no piece ends a prompt."""
     chunk = packed.unpack()
     (hidden,), cache = run_model(params, (_chunk_group(chunk),), cfg, cache, tables, draft_cfg=draft_cfg)
+    pieces = chunk.slot.shape[0]
     logits = jax.lax.cond(
-        chunk.last,
+        jnp.any(chunk.last),
         lambda: family_of(cfg).logits(params.target, _last_real(hidden, chunk))[:, :vocab],
-        lambda: _no_logits(vocab),
-    )  # [1, V]
+        lambda: jnp.zeros((pieces, vocab), jnp.float32),
+    )  # [P, V]
     pairs = inputs.processing(processors)
-    state, out = _start_slot(state, chunk, logits, inputs.allowed, vocab, inputs.want_logprobs, pairs)
+    state, out = _start_slots(state, chunk, logits, inputs.allowed, vocab, inputs.want_logprobs, pairs)
     return cache, state, DispatchOutput(rows=None, chunk=out)
 
 
-def _decode_step(params, cache, state, tables, step: RowStep, chunk, *, cfg, vocab, draft_cfg, **attention):
-    """One decode step for the state's rows (slots 0..rows-1, `step`), carrying a prompt chunk
-    when there is one: every weight is read once for both. Deferred rows keep their logits in the
-    state (written only when some row is deferred) instead of sampling. Returns the cache, the
-    rows' state, their output [rows] and the chunk's last logits [1, V] (None without a chunk).
-    `attention`: attn_len and attention_kernel."""
-    rows, deferred = step.active.shape[0], step.deferred
-    groups = [TokenGroup.of_rows(state.tokens[:, None], state.positions, step.active)]
-    if chunk is not None:
-        groups.append(_chunk_group(chunk))
-    hidden, cache = run_model(params, groups, cfg, cache, tables, draft_cfg=draft_cfg, **attention)
-    last = hidden[0][:, 0]  # [rows, D]
-    target, logits_of = params.target, family_of(cfg).logits
-    if chunk is None:
-        logits, chunk_logits = logits_of(target, last)[:, :vocab], None
-    else:
-        rows_only = lambda: (logits_of(target, last)[:, :vocab], _no_logits(vocab))
-
-        def with_chunk():
-            # The chunk's last position joins the rows in one lm_head product, padded to whole
-            # column tiles (XLA:CPU took 13.5 ms for SmolLM2's with 9 columns, 10 ms with 16).
-            both = jnp.concatenate([last, _last_real(hidden[1], chunk)])
-            both = logits_of(target, jnp.pad(both, ((0, -both.shape[0] % COLUMN_TILE), (0, 0))))
-            return both[:rows, :vocab], both[rows : rows + 1, :vocab]
-
-        # Chunks before a prompt's last skip that column (8 slots: an 8- instead of a 16-column
-        # product, 7.9 against 12.5 ms of a 75 ms step on SmolLM2, XLA:CPU).
-        logits, chunk_logits = jax.lax.cond(chunk.last, with_chunk, rows_only)
+def _decode_step(params, cache, state, tables, step: RowStep, *, cfg, vocab, draft_cfg, **attention):
+    """One decode step for the state's rows (slots 0..rows-1, `step`). Deferred rows keep their
+    logits in the state (written only when some row is deferred) instead of sampling. Returns the
+    cache, the rows' state and their output [rows]. `attention`: attn_len and attention_kernel."""
+    group = TokenGroup.of_rows(state.tokens[:, None], state.positions, step.active)
+    (hidden,), cache = run_model(params, (group,), cfg, cache, tables, draft_cfg=draft_cfg, **attention)
+    logits = family_of(cfg).logits(params.target, hidden[:, 0])[:, :vocab]
     kept = jax.lax.cond(
-        jnp.any(deferred),
-        lambda: jnp.where(deferred[:, None], logits, state.logits),
+        jnp.any(step.deferred),
+        lambda: jnp.where(step.deferred[:, None], logits, state.logits),
         lambda: state.logits,
     )
     state, out = sample_rows(
         state.replace(logits=kept), logits, None, step.sampled, step.want_logprobs, step.processing
     )
-    return cache, state, out, chunk_logits
+    return cache, state, out
 
 
 def _decode(
@@ -242,31 +224,10 @@ def _decode(
 
     def step(cache, part, active, deferred):
         rows = RowStep(active, deferred, inputs.want_logprobs, processing)
-        cache, part, out, _ = _decode_step(params, cache, part, tables, rows, None, **step_options)
-        return cache, part, out
+        return _decode_step(params, cache, part, tables, rows, **step_options)
 
     cache, state, outs = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)
     return cache, state, DispatchOutput(rows=outs)
-
-
-def _mixed(
-    params, cache, state, tables, inputs: RowInputs, packed: PackedChunk, *, vocab, processors, **options
-):
-    """One decode step for slots 0..rows-1 (inputs' rows but the last, the chunk's; those with
-    steps > 0, deferred ones unsampled) that also prefills a prompt chunk into another slot, its
-    token sampled under its allowed set: the cache, the state, the rows' output [1, rows] and the
-    chunk's [1, 1]."""
-    chunk, rows = packed.unpack(), inputs.rows - 1
-    part = rows_of(state, rows)
-    active, deferred = inputs.steps[:rows] > 0, inputs.deferred[:rows]
-    decoding = RowStep(active, deferred, inputs.want_logprobs, inputs.processing(processors, slice(0, rows)))
-    cache, part, out, chunk_logits = _decode_step(
-        params, cache, part, tables, decoding, chunk, vocab=vocab, **options
-    )
-    state = put_rows(state, part)  # before the chunk's slot starts: it is not among the rows
-    starting = (inputs.allowed, vocab, inputs.want_logprobs, inputs.processing(processors, slice(rows, None)))
-    state, chunk_out = _start_slot(state, chunk, chunk_logits, *starting)
-    return cache, state, DispatchOutput(rows=jax.tree.map(lambda x: x[None], out), chunk=chunk_out)
 
 
 def _sample(state: SlotState, inputs: RowInputs, *, processors):
@@ -300,7 +261,7 @@ class Steps:
     vocab_size: int  # the real vocabulary (logits beyond it are padding)
     mesh: Mesh
     processors: tuple[RowProcessor, ...]  # the logits processors every sampling step applies
-    # Every compiled variant: prefill, decode, mixed and verify are (weights, cache, state, tables,
+    # Every compiled variant: prefill, decode and verify are (weights, cache, state, tables,
     # inputs, chunk) -> cache, state, DispatchOutput; sample is (state, inputs) -> state, output.
     programs: dict[Program, Callable]
     history: Callable  # (state, [slot, prompt length, length, tokens...]) -> state
@@ -347,22 +308,22 @@ class Steps:
 
 def program_keys(layout: Layout, draft: bool) -> list[Program]:
     """Every program the engine may dispatch for `layout` (with a `draft` model, prefill, decode
-    and mixed also without its passes)."""
+    also without its passes)."""
     keys = []
     for feeds_draft in (True, False) if draft else (True,):
-        keys += [
-            Program("prefill", 1, chunk=size, feeds_draft=feeds_draft) for size in layout.prefill_buckets
-        ]
+        keys += [prefill_program(pieces, feeds_draft) for pieces in layout.piece_buckets]
         for attn_len in layout.attention_buckets:
             for rows in layout.slot_buckets:
                 keys.append(Program("decode", rows, attn_len, feeds_draft=feeds_draft))
-                if layout.mixed_prefill_tokens:
-                    chunk = layout.mixed_chunk_len(rows)
-                    keys.append(Program("mixed", rows, attn_len, chunk, feeds_draft=feeds_draft))
     for attn_len in layout.attention_buckets:
         for rows, k in verify_programs(layout.speculative, layout.verify_variants):
             keys.append(Program("verify", rows, attn_len, drafts=k))
     return keys + [Program("sample", rows) for rows in layout.slot_buckets]
+
+
+def prefill_program(pieces: int, feeds_draft: bool = True) -> Program:
+    """The key of the prefill program carrying `pieces` prompt pieces (a bucket)."""
+    return Program("prefill", pieces, chunk=pieces * PROMPT_PIECE, feeds_draft=feeds_draft)
 
 
 def _program_function(key: Program, layout: Layout, model_options: dict) -> Callable:
@@ -372,11 +333,11 @@ def _program_function(key: Program, layout: Layout, model_options: dict) -> Call
     if key.kind == "prefill":
         return partial(_prefill, **model_options)
     options = {"attn_len": key.attn_len, "attention_kernel": layout.attention_kernel, **model_options}
-    steps = dispatch_steps(layout.decode_steps, mixed=key.kind == "mixed")
+    steps = layout.decode_steps
     if key.kind == "verify":
         lengths = program_lengths(layout.speculative, layout.verify_variants, key.drafts)
         return partial(verify, steps=steps, lengths=lengths, source=layout.speculative, **options)
-    return partial(_decode, steps=steps, **options) if key.kind == "decode" else partial(_mixed, **options)
+    return partial(_decode, steps=steps, **options)
 
 
 class _Placement(NamedTuple):

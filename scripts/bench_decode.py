@@ -190,7 +190,6 @@ def bench_model(label, jinfer_path, hf_dir, slot_counts, peers_cpp, args, ceilin
             jinfer_path,
             max_slots=slots,
             max_seq_len=512,
-            prefill_buckets=(16, 32, PREFILL_TOKENS),
             decode_steps=4,
             **JINFER_OPTIONS,
         )
@@ -258,7 +257,7 @@ def jinfer_step_at(path: str, slots: int, context: int, calls: int, kernel: bool
         path,
         max_slots=slots,
         max_seq_len=2 * context,
-        prefill_buckets=(16,),
+        max_num_batched_tokens=64,
         decode_kernel=kernel,
         **JINFER_OPTIONS,
     )
@@ -282,7 +281,7 @@ def bench_packed_weights(path: str, slot_counts: list[int], rounds: int = 5) -> 
     rows = []
     for slots in slot_counts:
         progress(f"packed weights: {slots} slots, packed and XLA engines (load, build, warm up)")
-        options = {"max_slots": slots, "max_seq_len": 512, "prefill_buckets": (16,), "decode_steps": 4}
+        options = {"max_slots": slots, "max_seq_len": 512, "max_num_batched_tokens": 64, "decode_steps": 4}
         options["quantization"] = "none"  # float matrices: the packed kernel's and XLA's products
         engines = {
             packed: jinfer.LLM(path, packed_weights=packed, **options).engine for packed in (True, False)

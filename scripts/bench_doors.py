@@ -1,7 +1,7 @@
 """Decode speed by door: `jinfer.LLM()` as a library user gets it against the engine `jinfer serve`
-builds (the same defaults, with the server's SERVING_DEFAULTS: one decode step per dispatch, mixed
-prefill), both on the embedded model. Prints which products and attention each runs, then for each
-slot count the compiled decode's time per step in alternating rounds, and the median of the
+builds (the same defaults, with the server's SERVING_DEFAULTS: one decode step per dispatch, a
+smaller token budget), both on the embedded model. Prints which products and attention each runs,
+then for each slot count the compiled decode's time per step in alternating rounds, and the median of the
 paired ratios; the two should be within noise (they multiply with the same kernels).
 
     python scripts/bench_doors.py [--slots 1,8] [--rounds 7] [--out results]

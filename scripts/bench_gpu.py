@@ -9,9 +9,7 @@ directly on the device (no files), then times jinfer's own compiled steps:
     attention bucket) and, where it applies, the Pallas paged decode kernel at each of
     `--page-sizes`; MBU = (weight bytes + K/V bytes of the filled positions) / step time /
     bandwidth, and MFU = the step's matrix FLOPs / step time / the matmul rate;
-  * prefill: one `--prefill-tokens` prompt chunk; MFU as above;
-  * mixed prefill: at the most slots, one decode step alone, carrying a prompt chunk of
-    `--mixed-tokens`, and that chunk as a prefill dispatch of its own;
+  * prefill: one `--prefill-tokens` prompt in one dispatch (its 64-token pieces); MFU as above;
   * speculative decoding at batch 1: verify steps of 1, 2, 4 and 8 draft tokens against a decode
     step, and the speed-up that implies at draft acceptance rates 0.5 / 0.7 / 0.9 (random weights
     make no text worth drafting from, so the rate is assumed, the cost measured).
@@ -49,7 +47,7 @@ from benchlib import (
     write_results,
 )
 
-from jinfer.config import EngineConfig, ModelConfig
+from jinfer.config import PROMPT_PIECE, EngineConfig, ModelConfig
 from jinfer.formats.hf import model_config as hf_config
 from jinfer.inputs import DraftPlan, Program, neutral_inputs
 from jinfer.kv_cache import bytes_per_token, contiguous_tables
@@ -58,8 +56,8 @@ from jinfer.models.params import init_params
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
 from jinfer.speculative import LONGEST_NGRAM, program_lengths, verify_programs
-from jinfer.state import pack_chunk
-from jinfer.steps import build_steps
+from jinfer.state import pack_piece, pack_pieces
+from jinfer.steps import build_steps, prefill_program
 from jinfer.weights import Weights
 
 SHAPES = {
@@ -97,19 +95,25 @@ def transformers_peer(hf: dict, dtype: str, slot_counts: list[int], context: int
     return {slots: transformers_decode(model, ids, slots, tokens) for slots in slot_counts}
 
 
-def prompt_chunk(cfg, tokens: int, slot: int = 0):
+def prompt_pieces(cfg, tokens: int, pieces: int):
+    """A random greedy prompt of `tokens` tokens into slot 0, in `pieces` pieces (a bucket)."""
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
-    flags = {"slot": slot, "start": 0, "length": tokens, "last": True, "generated": 0, "min_tokens": 0}
-    return pack_chunk(prompt, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=cfg.vocab_size)
+    rows = []
+    for at in range(0, tokens, PROMPT_PIECE):
+        part = np.zeros(PROMPT_PIECE, np.int32)
+        part[: len(prompt[at : at + PROMPT_PIECE])] = prompt[at : at + PROMPT_PIECE]
+        flags = {"slot": 0, "start": at, "length": min(PROMPT_PIECE, tokens - at), "generated": 0}
+        flags |= {"last": at + PROMPT_PIECE >= tokens, "min_tokens": 0}
+        rows.append(pack_piece(part, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=cfg.vocab_size))
+    return pack_pieces(rows, pieces, PROMPT_PIECE, cfg.vocab_size)
 
 
 def inputs_for(steps, program: Program, busy: int = 0, plan=None):
-    """A program's inputs: its decode rows `busy` steps each (a carried chunk's row 1), no row
-    constrained, `plan` for a verify program."""
-    rows = program.rows + (program.kind == "mixed")
+    """A program's inputs: its rows `busy` steps each, no row constrained, `plan` for a verify
+    program."""
+    rows = program.rows
     row_steps = np.full(rows, busy, np.int32)
-    row_steps[program.rows :] = 1
     inputs = neutral_inputs(rows).replace(steps=row_steps, allowed=steps.unconstrained)
     return inputs if plan is None else inputs.replace(plan=plan)
 
@@ -136,8 +140,8 @@ def tables_of(steps):
 
 
 def bench_prefill(cfg, steps, params, dtype, tokens: int, calls: int, peak_flop_s: float) -> dict:
-    chunk, tables = prompt_chunk(cfg, tokens), tables_of(steps)
-    program = Program("prefill", 1, chunk=tokens)
+    program = prefill_program(steps.layout.piece_bucket(-(-tokens // PROMPT_PIECE)))
+    chunk, tables = prompt_pieces(cfg, tokens, program.rows), tables_of(steps)
     prefill, inputs = steps.programs[program], inputs_for(steps, program, 1)
 
     def call(carried):
@@ -178,40 +182,6 @@ def layout_of(engine: EngineConfig, cfg: ModelConfig):
     """The layout the engine would run on one device, with the weights as they are (not packed)."""
     engine = dataclasses.replace(engine, packed_weights=False)
     return resolve_layout(engine, cfg, 1, cache_bytes_per_token=0, weight_bytes=0, available_bytes=0)
-
-
-def bench_mixed(cfg, base, mesh, shardings, params, dtype, slots: int, args) -> dict:
-    """One decode step over every slot, alone and carrying a prompt chunk; the chunk alone."""
-    engine = layout_of(dataclasses.replace(base, decode_steps=1, mixed_prefill_tokens=args.mixed_tokens), cfg)
-    steps = build_steps(cfg, engine, mesh, Weights(shardings), cfg.vocab_size)
-    bucket = steps.attention_bucket(args.context + args.calls + 1)
-    size = engine.mixed_chunk_len(slots)
-    # The chunk goes to the last slot, which the decode step does not advance.
-    chunk, tables = prompt_chunk(cfg, size, slot=slots - 1), tables_of(steps)
-    progress(f"mixed prefill at {slots} slots: a {size}-token chunk in a decode step")
-
-    def runner(program: Program, with_chunk: bool):
-        inputs = inputs_for(steps, program, 1)
-        inputs = inputs.replace(steps=(np.arange(inputs.rows) != slots - 1).astype(np.int32))
-
-        def call(carried):
-            cache, state, out = steps.programs[program](
-                Weights(params), *carried, tables, inputs, chunk if with_chunk else None
-            )
-            return (cache, state), out
-
-        return call
-
-    programs = {
-        "decode": runner(Program("decode", slots, bucket), False),
-        "mixed": runner(Program("mixed", slots, bucket, size), True),
-        "prefill": runner(Program("prefill", 1, chunk=size), True),
-    }
-    times = {
-        name: best_time(call, busy_state(steps, dtype, args.context), args.calls // 5)
-        for name, call in programs.items()
-    }
-    return {"slots": slots, "chunk_tokens": size, **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
 
 
 def bench_speculative(cfg, base, mesh, shardings, params, dtype, args) -> dict:
@@ -273,9 +243,6 @@ def main() -> int:
     parser.add_argument("--page-sizes", default="16,64", help="KV page sizes the paged kernel runs at")
     parser.add_argument("--peer-tokens", type=int, default=32, help="tokens per transformers generate()")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
-    parser.add_argument(
-        "--mixed-tokens", type=int, default=256, help="mixed prefill chunk at the most slots (0: skip)"
-    )
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
@@ -303,9 +270,14 @@ def main() -> int:
     weights = decode_weight_bytes(params)
     layers, output = matrix_params(params)
     per_position = bytes_per_token(cfg, dtype)  # K and V of one position
-    rows, prefill, mixed, speculative = [], None, None, None
+    rows, prefill, speculative = [], None, None
     for slots in slot_counts:
-        base = EngineConfig(max_slots=slots, max_seq_len=max(4096, 2 * args.context), dtype=args.dtype)
+        base = EngineConfig(
+            max_slots=slots,
+            max_seq_len=max(4096, 2 * args.context),
+            dtype=args.dtype,
+            max_num_batched_tokens=args.prefill_tokens,
+        )
         variants = {"einsum": dataclasses.replace(base, decode_kernel=False)}
         if layout_of(base, cfg).attention_kernel:  # the paged kernel at each page size asked for
             kernels = {f"kernel, pages of {p}": dataclasses.replace(base, page_size=p) for p in page_sizes}
@@ -314,7 +286,7 @@ def main() -> int:
             engine = layout_of(asked, cfg)
             steps = build_steps(cfg, engine, mesh, Weights(shardings), cfg.vocab_size)
             if prefill is None:
-                progress(f"prefill: one {args.prefill_tokens}-token chunk, best of {args.calls // 5}")
+                progress(f"prefill: one {args.prefill_tokens}-token prompt, best of {args.calls // 5}")
                 prefill = bench_prefill(
                     cfg, steps, params, dtype, args.prefill_tokens, args.calls // 5, peak_flop_s
                 )
@@ -343,8 +315,6 @@ def main() -> int:
                     "transformers_tokens_per_s": peer.get(slots),
                 }
             )
-        if slots == max(slot_counts) and args.mixed_tokens:
-            mixed = bench_mixed(cfg, base, mesh, shardings, params, dtype, slots, args)
         if slots == 1:
             speculative = bench_speculative(cfg, base, mesh, shardings, params, dtype, args)
     table = markdown_table(
@@ -374,14 +344,6 @@ def main() -> int:
             for r in rows
         ],
     )
-    if mixed:
-        table += (
-            f"\n\nMixed prefill at {mixed['slots']} slots: one decode step alone "
-            f"{mixed['decode_ms']:.2f} ms; "
-            f"carrying a {mixed['chunk_tokens']}-token prompt chunk {mixed['mixed_ms']:.2f} ms "
-            f"({mixed['mixed_ms'] / mixed['decode_ms']:.2f}x); the chunk as its own prefill dispatch "
-            f"{mixed['prefill_ms']:.2f} ms."
-        )
     if speculative:
         costs = ", ".join(f"{k} drafts {c:.2f}x" for k, c in speculative["verify_cost"].items())
         implied = ", ".join(f"a={a}: {r:.2f}x" for a, r in speculative["implied_speedup"].items())
@@ -403,7 +365,6 @@ def main() -> int:
         "ceiling": ceiling,
         "rows": rows,
         "prefill": prefill,
-        "mixed": mixed,
         "speculative": speculative,
     }
     write_results(args.out, "bench_gpu", result, table)

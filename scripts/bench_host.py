@@ -85,7 +85,7 @@ def main() -> int:
     for label, path in (("near-zero model", tiny), ("SmolLM2-135M", default_model_path())):
         for slots in (int(s) for s in args.slots.split(",")):
             progress(f"{label}, {slots} slots: build and warm up")
-            llm = jinfer.LLM(path, max_slots=slots, max_seq_len=512, prefill_buckets=(16,))
+            llm = jinfer.LLM(path, max_slots=slots, max_seq_len=512, max_num_batched_tokens=64)
             llm.engine.warmup()
             prompt_len = len(llm.tokenizer.encode(PROMPT))
             engine, bare, compiles = [], [], 0

@@ -51,7 +51,7 @@ def chat(system: str, *turns: str) -> list[dict]:
 
 def computed_prompt_tokens(llm: jinfer.LLM) -> int:
     counts = llm.engine.dispatch_counts
-    return counts.prefill_tokens + counts.mixed_tokens
+    return counts.prefill_tokens
 
 
 def _turns(engines: dict, round_: int) -> list:

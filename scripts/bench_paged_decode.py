@@ -42,7 +42,7 @@ def worker(options: dict) -> None:
 
     import jinfer
 
-    llm = jinfer.LLM(**{"max_slots": 8, "max_seq_len": 2048, "prefill_buckets": (64, 512), **options})
+    llm = jinfer.LLM(**{"max_slots": 8, "max_seq_len": 2048, **options})
     cfg = llm.engine.model_config
     sampling = jinfer.SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4

@@ -10,15 +10,12 @@ throughput at concurrency 8. Clients are the official `openai` package with `ign
 output length and `stream_options.include_usage` giving the token counts. Clients and server
 share this machine's cores, as any loopback benchmark does.
 
-    python scripts/bench_serve.py [--configs 1:64:4,4:512] [--tokens 64] [--out results]
+    python scripts/bench_serve.py [--configs 1:256,4:512] [--tokens 64] [--out results]
 
-Each config is decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]
-(mixed 0 and packed weights 1 when left out). The defaults compare `jinfer serve`'s own settings
-(one decode step per dispatch, so every token is sent as it is sampled; prompts that arrive while
-others stream ride along the decode steps 4+ tokens at a time) with the `throughput` preset (4
-decode steps per dispatch, tokens in bursts of 4, waiting prompts prefilled in dispatches of their
-own); both with packed weights. `1:64` (one step, no mixing) and `1:64:4:0` (mixing on XLA's
-products) are the other settings worth a look.
+Each config is decode_steps:max_num_batched_tokens[:packed_weights] (packed weights 1 when left
+out). The defaults compare `jinfer serve`'s own settings (one decode step per dispatch, so every
+token is sent as it is sampled; 256 tokens an iteration) with the `throughput` preset (4 decode
+steps per dispatch, tokens in bursts of 4; 512 tokens an iteration); both with packed weights.
 
 Writes results/bench_serve.{json,md,png}.
 """
@@ -46,19 +43,18 @@ PROMPTS = [
     "List some facts about the planet Mars.",
     "Describe a walk through a forest in autumn.",
 ]
-ENGINE = {"max_slots": 8, "max_seq_len": 512, "prefill_buckets": (16, 32, 64)}  # server and offline
+ENGINE = {"max_slots": 8, "max_seq_len": 512}  # server and offline
 SERVER_FLAGS = ["--max-slots", str(ENGINE["max_slots"]), "--max-seq-len", str(ENGINE["max_seq_len"])]
-SERVER_FLAGS += ["--prefill-buckets", ",".join(map(str, ENGINE["prefill_buckets"]))]
-SETTING_NAMES = ("decode_steps", "prefill_token_budget", "mixed_prefill_tokens", "packed_weights")
+SETTING_NAMES = ("decode_steps", "max_num_batched_tokens", "packed_weights")
 
 
 def parse_setting(text: str) -> dict:
-    """ "decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]" -> engine options."""
+    """ "decode_steps:max_num_batched_tokens[:packed_weights]" -> engine options."""
     values = [int(v) for v in text.split(":")]
-    if not 2 <= len(values) <= 4:
-        raise ValueError(f"bad config {text!r}: decode_steps:budget[:mixed[:packed]] expected")
-    values += [0, 1][len(values) - 2 :]
-    return dict(zip(SETTING_NAMES, [*values[:3], bool(values[3])], strict=True))
+    if not 2 <= len(values) <= 3:
+        raise ValueError(f"bad config {text!r}: decode_steps:max_num_batched_tokens[:packed] expected")
+    values += [1][len(values) - 2 :]
+    return dict(zip(SETTING_NAMES, [*values[:2], bool(values[2])], strict=True))
 
 
 def describe(setting: dict) -> str:
@@ -186,8 +182,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--configs",
-        default="1:64:4,4:512",
-        help="decode_steps:prefill_token_budget[:mixed_prefill_tokens[:packed_weights]]",
+        default="1:256,4:512",
+        help="decode_steps:max_num_batched_tokens[:packed_weights]",
     )
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--per-client", type=int, default=4, help="requests each closed-loop client sends")
@@ -248,9 +244,9 @@ def main() -> int:
     for run in runs:
         closed = [r for r in run["scenarios"] if r["concurrency"]]
         x = [r["concurrency"] for r in closed]
-        label = "steps {decode_steps}, budget {prefill_token_budget}, mixed {mixed_prefill_tokens}".format(
-            **run
-        ) + (", packed" if run["packed_weights"] else "")
+        label = "steps {decode_steps}, budget {max_num_batched_tokens}".format(**run) + (
+            ", packed" if run["packed_weights"] else ""
+        )
         left.plot(x, [r["output_tokens_per_s"] for r in closed], "o-", label=label)
         left.axhline(run["offline_batch8_tokens_per_s"], ls="--", lw=0.8, color=left.lines[-1].get_color())
         right.plot(x, [r["itl_ms"]["p50"] for r in closed], "o-", label=f"{label} ITL p50")

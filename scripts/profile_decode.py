@@ -103,7 +103,7 @@ def weight_products_s(params, slots: int) -> float:
 
 
 def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
-    options = dict(max_slots=slots, max_seq_len=512, prefill_buckets=(16,), decode_steps=4)
+    options = dict(max_slots=slots, max_seq_len=512, max_num_batched_tokens=64, decode_steps=4)
     llm = jinfer.LLM(packed_weights=packed_weights, quantization=quantization, **options)
     llm.engine.warmup()
     sampling = jinfer.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)

@@ -43,11 +43,10 @@ IDLE_CONNECTION_S = 30
 
 # A server streams to people: one decode step per dispatch, so each token is sent as it is
 # sampled (EngineConfig's 4 steps per dispatch suit offline batches and arrive in bursts of 4), and
-# prompts that arrive while others stream are prefilled 4+ tokens at a time inside the decode
-# steps, so they never stall the running streams for a whole prefill dispatch. Measured on the
-# embedded model, with reasons: docs/performance.md ("Serving"). The `throughput` preset goes back
-# to EngineConfig's defaults.
-SERVING_DEFAULTS = {"decode_steps": 1, "prefill_token_budget": 64, "mixed_prefill_tokens": 4}
+# a smaller token budget per iteration than offline, so prompts arriving while others stream
+# stretch those streams' next token less. Measured on the embedded model, with reasons:
+# docs/performance.md ("Serving"). The `throughput` preset goes back to EngineConfig's defaults.
+SERVING_DEFAULTS = {"decode_steps": 1, "max_num_batched_tokens": 256}
 
 
 def build_parser() -> argparse.ArgumentParser:

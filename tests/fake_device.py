@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from jinfer.config import dispatch_steps
 from jinfer.inputs import DispatchOutput, Program, RowInputs
 from jinfer.sampling import TOP_LOGPROBS, StepOutput
 from jinfer.state import PackedChunk
@@ -93,14 +92,20 @@ class FakeDevice:
         self.token[slot], self.position[slot] = token, self.position[slot] + 1
         return token
 
-    def _prefill(self, chunk: PackedChunk, allowed) -> int:
-        tokens = np.asarray(chunk.ints[-chunk.size :])[: chunk.length]
-        for offset, token in enumerate(tokens):
-            hashed = self._write(chunk.slot, chunk.start + offset, int(token))
-        if not chunk.last:
-            return 0
-        self.position[chunk.slot] = chunk.start + chunk.length - 1
-        return self._advance(chunk.slot, hashed, allowed)
+    def _prefill(self, chunk: PackedChunk, allowed) -> np.ndarray:
+        """Each piece in order (a prompt's later pieces read what its earlier ones wrote): the
+        token after each piece, 0 after one that does not end its prompt."""
+        out = np.zeros(chunk.pieces, np.int32)
+        tokens = np.asarray(chunk.ints)[:, -chunk.piece_len :]
+        for piece, (slot, start, length, last) in enumerate(
+            zip(chunk.slot, chunk.start, chunk.length, chunk.last, strict=True)
+        ):
+            for offset in range(length):
+                hashed = self._write(int(slot), int(start) + offset, int(tokens[piece, offset]))
+            if last:
+                self.position[slot] = start + length - 1
+                out[piece] = self._advance(int(slot), hashed, allowed)
+        return out
 
     def _decode_rows(self, inputs: RowInputs, rows: int, steps: int, per_step: int) -> np.ndarray:
         """`steps` steps over slots 0..rows-1: tokens [steps x per_step, rows], -1 where none."""
@@ -131,16 +136,13 @@ class FakeDevice:
             for slot in np.flatnonzero(inputs.deferred):
                 tokens[0, slot] = self._advance(slot, int(self.waiting[slot]), inputs.allowed)
             return DispatchOutput(rows=_output(tokens))
-        chunk_out = None
-        if chunk is not None:
-            chunk_out = _output(np.array([[self._prefill(chunk, inputs.allowed)]]))
         if program.kind == "prefill":
-            return DispatchOutput(rows=None, chunk=chunk_out)
-        steps = dispatch_steps(self.layout.decode_steps, mixed=program.kind == "mixed")
+            return DispatchOutput(rows=None, chunk=_output(self._prefill(chunk, inputs.allowed)[None]))
+        steps = self.layout.decode_steps
         per_step = program.drafts + 1 if program.kind == "verify" else 1
         tokens = self._decode_rows(inputs, program.rows, steps, per_step)
         if program.kind != "verify":
-            return DispatchOutput(rows=_output(tokens), chunk=chunk_out)
+            return DispatchOutput(rows=_output(tokens))
         none = np.zeros((steps, program.rows), np.int32)  # no draft checked
         return DispatchOutput(rows=_output(tokens), checked=none, kinds=none)
 

@@ -22,19 +22,17 @@ from jinfer.cluster import decode, encode
 from jinfer.config import EngineConfig
 from jinfer.inputs import DraftPlan, Program, neutral_inputs
 from jinfer.sampling import SamplingArrays, SamplingParams
-from jinfer.state import pack_chunk
+from jinfer.state import pack_piece, pack_pieces
 
 # The server's serving defaults, spelled out so that the in-process reference runs the same engine.
-# Few programs to compile (one prefill bucket, two attention buckets, no mixed steps): a cluster's
+# Few programs to compile (one piece bucket, two attention buckets): a cluster's
 # processes compile each one at the same time, on two cores.
 ENGINE = {
     "max_slots": 2,
     "max_seq_len": 128,
     "page_size": 16,
-    "prefill_buckets": (16,),
+    "max_num_batched_tokens": 64,
     "decode_steps": 1,
-    "prefill_token_budget": 64,
-    "mixed_prefill_tokens": 0,
 }
 PROMPTS = ["Once upon a time", "The capital of France is"]
 REPEATING = "red green blue, red green blue, red green blue, red green blue"  # n-gram drafts from the start
@@ -125,14 +123,15 @@ def _assert_same_arrays(sent, got):
 def test_a_call_survives_its_message_bit_for_bit():
     knobs = SamplingArrays.from_params([SamplingParams(temperature=0.7, top_k=5).resolve()], [2**32 - 3])
     flags = {"slot": 1, "start": 32, "length": 9, "last": True, "generated": 2, "min_tokens": 3}
-    tokens = np.arange(16, dtype=np.int32)
-    chunk = pack_chunk(tokens, **flags, bias={5: -1.5}, stop_ids=(7,), sampling=knobs, vocab=100)
+    tokens = np.arange(64, dtype=np.int32)
+    piece = pack_piece(tokens, **flags, bias={5: -1.5}, stop_ids=(7,), sampling=knobs, vocab=100)
+    chunk = pack_pieces([piece], 2, 64, vocab=100)
     allowed = np.full((2, 4), -1, np.int32)
     allowed[1, 2] = 12345
-    inputs = neutral_inputs(3).replace(
-        steps=np.array([1, 0, 1], np.int32), deferred=np.array([False, True, False]), allowed=allowed
+    inputs = neutral_inputs(2).replace(
+        steps=np.array([1, 0], np.int32), deferred=np.array([False, True]), allowed=allowed
     )
-    program = Program("mixed", 2, 64, chunk=16, feeds_draft=False)
+    program = Program("prefill", 2, chunk=128, feeds_draft=False)
     verb, (back_program, back_inputs, back_chunk) = decode(encode("dispatch", (program, inputs, chunk)))
     assert verb == "dispatch" and {back_program: "a key"}[program] == "a key"
     assert back_inputs.plan is None and back_inputs.want_logprobs.shape == ()

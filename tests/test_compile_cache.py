@@ -25,7 +25,7 @@ def _start_answer_stop(model: str, folder, log_path) -> tuple[str, int, int]:
     port = _free_port()
     command = [sys.executable, "-m", "jinfer.cli", "serve", "--model", model, "--port", str(port)]
     command += ["--max-slots", "2", "--max-seq-len", "128", "--page-size", "16"]
-    command += ["--prefill-buckets", "16,32", "--compile-cache", str(folder)]
+    command += ["--max-num-batched-tokens", "128", "--compile-cache", str(folder)]
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

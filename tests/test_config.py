@@ -156,27 +156,23 @@ def test_help_shows_every_setting_with_its_default(capsys):
     assert "--temperature" in generate and "--max-slots" in generate and "--packed-weights" in generate
 
 
-def test_mixed_chunk_sizes_follow_the_products_in_effect():
-    import dataclasses
-
+def test_prefill_dispatches_are_compiled_for_the_pieces_the_token_budget_holds():
     from jinfer.config import EngineConfig
     from jinfer.layout import resolve_layout
 
     model = ModelConfig("llama", 320, 64, 128, 2, 4, 2, 16)
-    latency = resolve_layout(
-        EngineConfig(mixed_prefill_tokens=4, packed_weights=False),
-        model,
-        1,
-        cache_bytes_per_token=0,
-        weight_bytes=0,
-        available_bytes=0,
-    )
-    assert latency.max_seq_len == 2048 and not latency.packed_weights
-    # XLA's products cost whole 8-column tiles: chunks fill them.
-    assert [latency.mixed_chunk_len(busy) for busy in (1, 4, 8)] == [7, 4, 8]
-    # Carried prompt chunks fill the packed kernel's first 8 columns; past them each column costs.
-    packed = dataclasses.replace(latency, packed_weights=True)
-    assert [packed.mixed_chunk_len(busy) for busy in (1, 4, 8)] == [7, 4, 4]
+
+    def pieces(**settings):
+        config = EngineConfig(packed_weights=False, **settings)
+        layout = resolve_layout(config, model, 1, cache_bytes_per_token=0, weight_bytes=0, available_bytes=0)
+        return layout.piece_buckets
+
+    assert pieces() == (1, 2, 4, 8)  # 512 tokens: eight pieces of 64
+    assert pieces(max_num_batched_tokens=1000) == (1, 2, 4, 8, 15)
+    assert pieces(max_num_batched_tokens=10) == (1,)  # at least one piece
+    assert pieces(max_slots=1, max_seq_len=128) == (1, 2)  # never more than every slot's sequence
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
+        EngineConfig(max_num_batched_tokens=0)
 
 
 def test_the_page_pool_is_sized_in_whole_pages_and_caps_the_sequence_length():

@@ -89,8 +89,7 @@ def test_a_layout_the_kernel_was_not_built_for_is_a_clear_error():
 
 def test_a_matmul_kernel_that_cannot_be_built_leaves_xla_products(tmp_path, monkeypatch, caplog, tiny_model):
     """A failing build is a warning that says why: an engine asked for packed weights keeps its
-    plain weights and multiplies with XLA's dot, and its config says so (mixed chunks are then
-    sized for XLA's products)."""
+    plain weights and multiplies with XLA's dot, and its config says so."""
     import logging
 
     import jinfer

@@ -14,7 +14,7 @@ from test_server import running_server
 import jinfer
 
 PROMPT = "Once upon a time"
-LAYOUT = ["--max-slots", "2", "--max-seq-len", "128", "--prefill-buckets", "16,32"]
+LAYOUT = ["--max-slots", "2", "--max-seq-len", "128", "--max-num-batched-tokens", "128"]
 
 
 def _model_with(tiny_model, tmp_path, generation_config):
@@ -55,7 +55,7 @@ def test_the_same_request_gets_the_same_answer_through_every_door(
     tiny_model, tmp_path, generation_config, temperature
 ):
     model = _model_with(tiny_model, tmp_path, generation_config)
-    llm = jinfer.LLM(model, max_slots=2, max_seq_len=128, prefill_buckets=(16, 32))
+    llm = jinfer.LLM(model, max_slots=2, max_seq_len=128, max_num_batched_tokens=128)
     assert llm.default_sampling.temperature == temperature
     asked = jinfer.SamplingParams(max_tokens=12, seed=7, ignore_eos=True)  # the model's defaults + these
     offline = llm.generate([PROMPT], asked)[0]
@@ -84,7 +84,7 @@ def test_the_same_request_gets_the_same_answer_through_every_door(
 
 def test_max_tokens_unset_runs_to_the_window_offline_and_says_so_on_the_command_line(tiny_model, tmp_path):
     model = _model_with(tiny_model, tmp_path, {"do_sample": False})
-    llm = jinfer.LLM(model, max_slots=2, max_seq_len=64, prefill_buckets=(16, 32))
+    llm = jinfer.LLM(model, max_slots=2, max_seq_len=64, max_num_batched_tokens=128)
     (out,) = llm.generate([PROMPT], jinfer.SamplingParams(ignore_eos=True))
     assert len(out.prompt_token_ids) + len(out.token_ids) == 64 and out.finish_reason == "length"
     command = [sys.executable, "-m", "jinfer.cli", "generate", "--model", model, "--prompt", PROMPT]

@@ -46,7 +46,7 @@ def _cotenant(seed):
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     return jinfer.LLM(
-        tiny_model("llama_gqa_untied")[0], max_slots=4, max_seq_len=128, prefill_buckets=(16, 32)
+        tiny_model("llama_gqa_untied")[0], max_slots=4, max_seq_len=128, max_num_batched_tokens=64
     )
 
 
@@ -69,7 +69,7 @@ def _greedy_reference(llm, prompt, n):
 
 
 def test_engine_greedy_equals_full_forward_reference_with_chunked_prefill(llm):
-    for length in (5, 31, 70):  # 70 > the largest bucket (32): prefilled in three chunks
+    for length in (5, 31, 70):  # 70 > the budget (64): prefilled over two iterations
         prompt = _prompt(length, length)
         (out,) = llm.generate([prompt], GREEDY)
         assert out.token_ids == _greedy_reference(llm, prompt, 16), length
@@ -89,14 +89,13 @@ def test_batch_invariance_in_every_slot(llm, sampling):
         assert results[slot].token_ids == alone.token_ids, slot
 
 
-@pytest.mark.parametrize("mixed", [0, 8], ids=["separate-prefill", "mixed-prefill"])
-def test_no_recompiles_after_warmup(tiny_model, mixed):
+@pytest.mark.parametrize("budget", [64, 256], ids=["one-piece", "four-pieces"])
+def test_no_recompiles_after_warmup(tiny_model, budget):
     llm = jinfer.LLM(
         tiny_model("qwen2_bias_tied")[0],
         max_slots=4,
         max_seq_len=128,
-        prefill_buckets=(16, 32),
-        mixed_prefill_tokens=mixed,
+        max_num_batched_tokens=budget,
         kv_cache_tokens=256,  # two full-length sequences: the crowd below is preempted at times
         page_size=16,
     )
@@ -129,39 +128,44 @@ def test_the_warm_up_builds_each_program_once(tiny_model):
     from jinfer.compile_cache import tally
 
     llm = jinfer.LLM(
-        tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=64, prefill_buckets=(16,), page_size=16
-    )
+        tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=64, max_num_batched_tokens=64,
+        page_size=16,
+    )  # fmt: skip
     before = tally()
     llm.engine.warmup()
     built = tally().since(before)
     assert built.programs == len(llm.engine.steps.programs) + 2  # and the history and page-clearing verbs
 
 
-def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_tokens(tiny_model, monkeypatch):
-    # max_seq_len 100 is no multiple of the chunk sizes: the last chunks' padding runs past the
+def test_prompts_arriving_while_others_decode_share_a_dispatch_and_give_the_same_tokens(
+    tiny_model, monkeypatch
+):
+    # max_seq_len 100 is no multiple of the 64-token pieces: the last piece's padding runs past the
     # sequence's pages (and is dropped). No prefix caching: every prompt is computed from its start.
     llm = jinfer.LLM(
         tiny_model("llama_gqa_untied")[0],
         max_slots=4,
         max_seq_len=100,
-        prefill_buckets=(16, 32),
-        mixed_prefill_tokens=8,
+        max_num_batched_tokens=192,
         decode_steps=2,
         prefix_caching=False,
     )
     engine = llm.engine
     seeded_prompt = _prompt(2, 21)
-    (seeded_alone,) = llm.generate([seeded_prompt], SEEDED)  # no one decoding: a prefill dispatch
-    carried = []  # the prompt chunks that rode along decode steps
+    (seeded_alone,) = llm.generate([seeded_prompt], SEEDED)
+    pieces = []  # (dispatch, slot, start, length, last) of every piece prefilled from here on
 
     dispatch = engine.device.dispatch
 
-    def counting(program, inputs, chunk=None):
-        if program.kind == "mixed":
-            carried.append(chunk)
+    def recording(program, inputs, chunk=None):
+        if program.kind == "prefill":
+            rows = zip(chunk.slot, chunk.start, chunk.length, chunk.last, strict=True)
+            pieces.extend((len(engine.device_calls), *map(int, row)) for row in rows if row[2])
+        engine.device_calls.append(program.kind)
         return dispatch(program, inputs, chunk)
 
-    monkeypatch.setattr(engine.device, "dispatch", counting)
+    engine.device_calls = []
+    monkeypatch.setattr(engine.device, "dispatch", recording)
     first, near_end = _prompt(1, 10), _prompt(3, 97)
     outputs = {}
     sink = lambda name: lambda event: outputs.setdefault(name, []).extend(event.token_ids)
@@ -178,20 +182,19 @@ def test_prompts_arriving_while_others_decode_ride_along_and_give_the_same_token
         sink("near_end"),
     )
     engine.run_until_idle()
-    chunks_by_slot = {}
-    for chunk in carried:
-        chunks_by_slot.setdefault(chunk.slot, []).append((chunk.start, chunk.length, chunk.last))
-    for chunks in chunks_by_slot.values():  # each prompt went in consecutive chunks from position 0
-        assert [start for start, _, _ in chunks] == [
-            sum(c[1] for c in chunks[:i]) for i in range(len(chunks))
-        ]
+    by_slot = {}
+    for _, slot, start, length, last in pieces[1:]:  # after the first prompt's own piece
+        by_slot.setdefault(slot, []).append((start, length, last))
+    for chunks in by_slot.values():  # each prompt went in consecutive pieces from position 0
+        starts = [sum(c[1] for c in chunks[:i]) for i in range(len(chunks))]
+        assert [start for start, _, _ in chunks] == starts
         assert [last for _, _, last in chunks] == [False] * (len(chunks) - 1) + [True]  # only it has logits
-    assert sorted(sum(c[1] for c in chunks) for chunks in chunks_by_slot.values()) == [21, 97]
-    assert (engine.dispatch_counts.mixed_dispatches, engine.dispatch_counts.mixed_tokens) == (
-        len(carried),
-        118,
-    )
-    assert max(c.start + c.size for c in carried) > 100  # padding past the cache's end
+    assert sorted(sum(c[1] for c in chunks) for chunks in by_slot.values()) == [21, 97]
+    # Two whole pieces a dispatch (decode tokens take 2 of the 192): the seeded prompt and the long
+    # prompt's first piece in one, its second piece (33 tokens, padded to 128 > 100) in the next.
+    dispatches = [d for d, *_ in pieces[1:]]
+    assert dispatches[0] == dispatches[1] != dispatches[2]
+    assert engine.dispatch_counts.prefill_tokens == 10 + 21 + 21 + 97
     assert outputs["first"] == _greedy_reference(llm, first, 40)
     assert outputs["seeded"] == seeded_alone.token_ids
     assert outputs["near_end"] == _greedy_reference(llm, near_end, 3)
@@ -348,7 +351,7 @@ def test_a_pool_that_cannot_fit_is_refused_with_one_that_would_and_auto_shrinks_
 @pytest.mark.parametrize(("data", "model"), [(2, 4), (1, 8)])
 def test_sharded_equals_unsharded(tiny_model, data, model):
     directory, _ = tiny_model("smollm2_like")  # 6 query / 2 kv heads: padded to divide the model axis
-    options = {"max_slots": 8, "max_seq_len": 128, "prefill_buckets": (16, 32)}
+    options = {"max_slots": 8, "max_seq_len": 128, "max_num_batched_tokens": 128}
     prompts = [_prompt(s, 5 + 9 * s) for s in range(8)]
     samplings = [GREEDY if s % 2 else SEEDED for s in range(8)]
     single = jinfer.LLM(directory, **options)
@@ -398,12 +401,12 @@ def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
 
     monkeypatch.setattr(layout, "attention_kernel", lambda *args: "gpu")
     real = gpu_attention.attention
-    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
+    options = {"max_slots": 4, "max_seq_len": 256, "max_num_batched_tokens": 128, "decode_steps": 2}
     calls = []
     monkeypatch.setattr(gpu_attention, "attention", lambda *a: (calls.append(a), real(*a, interpret=True))[1])
-    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], mixed_prefill_tokens=8, **options)
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], **options)
     assert llm.engine.steps.attention_buckets == (256,)  # the kernel needs no attention buckets
-    prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some are carried
+    prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some wait
     samplings = [jinfer.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 6
     got = [o.token_ids for o in llm.generate(prompts, samplings)]
     assert calls  # traced into the decode steps
@@ -413,12 +416,11 @@ def test_decode_kernel_path_gives_the_reference_tokens(tiny_model, monkeypatch):
 
 
 def test_cpu_attention_kernel_gives_the_einsum_tokens(tiny_model):
-    """On a CPU the engine attends with the C++ kernel, decode rows and prompt chunks carried by
-    decode steps alike, and needs no attention buckets; with decode_kernel=False it attends with
-    XLA's einsums over the buckets. Both decode the same greedy tokens (sliding-window model)."""
-    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 32), "decode_steps": 2}
-    options["mixed_prefill_tokens"] = 8
-    prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some are carried
+    """On a CPU the engine attends with the C++ kernel, decode rows and prompt pieces alike, and
+    needs no attention buckets; with decode_kernel=False it attends with XLA's einsums over the
+    buckets. Both decode the same greedy tokens (sliding-window model)."""
+    options = {"max_slots": 4, "max_seq_len": 256, "max_num_batched_tokens": 128, "decode_steps": 2}
+    prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]  # more prompts than slots: some wait
     samplings = [jinfer.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 6
     kernel = jinfer.LLM(tiny_model("mistral_sliding")[0], **options)
     assert kernel.engine.steps.attention_kernel == "cpu"
@@ -453,12 +455,11 @@ def test_no_decode_dispatch_computes_only_tokens_past_max_tokens(llm, monkeypatc
 @pytest.mark.parametrize("family", ["llama_gqa_untied", "qwen2_bias_tied", "qwen3_qknorm"])
 def test_packed_weights_decode_the_same_tokens_and_logprobs(tiny_model, family, monkeypatch):
     """With packed_weights products of up to `MAX_COLUMNS` columns go through the CPU matmul kernel
-    (decode and mixed steps, 16-token prompt chunks; 64-token chunks through XLA's dot on the same
+    (decode steps, the logits of prompts' last tokens; prompt pieces through XLA's dot on the same
     matrices): greedy tokens are the same and their log-probs agree to float32 rounding, with an
     untied output projection or a tied embedding, q/k/v biases and q/k norms; `LLM.params` is the
     model's own weights either way."""
-    options = {"max_slots": 4, "max_seq_len": 256, "prefill_buckets": (16, 64), "decode_steps": 2}
-    options["mixed_prefill_tokens"] = 8  # 4 slots + a carried chunk: 12 columns
+    options = {"max_slots": 4, "max_seq_len": 256, "max_num_batched_tokens": 128, "decode_steps": 2}
     prompts = [_prompt(s, 5 + 13 * s) for s in range(6)]
     samplings = [jinfer.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)] * 6
     from jinfer.kernels import cpu_matmul
@@ -491,16 +492,17 @@ def test_dispatch_counts_say_how_full_the_batches_ran(llm):
     counts = dataclasses.asdict(engine.dispatch_counts)
     delta = {name: counts[name] - before[name] for name in counts}
     rows = engine.layout.slot_bucket(2)
+    # A budget of 64 takes one piece an iteration: the first prompt, decoded in its own slot
+    # bucket, then the second beside it. Each prefill samples the first token, each decode
+    # dispatch `steps` more.
     assert delta == {
         "prefill_dispatches": 2,
         "prefill_tokens": 24,
-        "prefill_padding": 2 * (16 - 12),
-        "decode_dispatches": 2,  # the prefill samples the first token, each dispatch `steps` more
-        "mixed_dispatches": 0,
-        "mixed_tokens": 0,
-        "decode_steps": 2 * steps,
+        "prefill_padding": 2 * (64 - 12),
+        "decode_dispatches": 3,
+        "decode_steps": 3 * steps,
         "decode_active_row_steps": 2 * 2 * steps,
-        "decode_idle_row_steps": (rows - 2) * 2 * steps,
+        "decode_idle_row_steps": (rows - 2) * steps + (rows - 1) * steps,
         "sample_dispatches": 0,  # only constrained rows are sampled on their own
         "verify_dispatches": 0,  # speculation is off
         "draft_tokens": 0,

@@ -1,6 +1,7 @@
 """The engine's host side against a fake device (`fake_device.FakeDevice`): dispatch, commit,
-chunked and carried prompts, preemption, the prefix cache, deferred rows and recovery, each
-request's tokens worked out by hand. No device program runs: these take seconds."""
+chunked prompts and prompts of several requests in one dispatch, preemption, the prefix cache,
+deferred rows and recovery, each request's tokens worked out by hand. No device program runs:
+these take seconds."""
 
 import numpy as np
 import pytest
@@ -38,25 +39,27 @@ def _assert_exact(completions, max_tokens):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(decode_steps=4, mixed_prefill_tokens=0),
-        dict(decode_steps=2, mixed_prefill_tokens=8),
-        dict(decode_steps=1, mixed_prefill_tokens=4),
+        dict(decode_steps=4, max_num_batched_tokens=512),
+        dict(decode_steps=2, max_num_batched_tokens=128),
+        dict(decode_steps=1, max_num_batched_tokens=64),
     ],
-    ids=["prefill-dispatches", "carried-chunks", "one-step-dispatches"],
+    ids=["budget-512", "budget-128", "one-piece-per-iteration"],
 )
 def test_a_crowd_larger_than_the_slots_gets_each_request_its_own_tokens(tiny_model, options):
-    """Twelve requests through four slots: queued, prompts chunked (up to 69 tokens through
-    buckets of 16 and 32) or carried by decode steps, decoded several steps a dispatch, each
-    stopping at its own max_tokens."""
-    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=160, prefill_buckets=(16, 32), **options)
+    """Twelve requests through four slots: queued, prompts (up to 69 tokens) prefilled in pieces of
+    several requests a dispatch, or chunked over several iterations, decoded several steps a
+    dispatch, each stopping at its own max_tokens."""
+    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=160, **options)
     prompts = _prompts(12, seed=1)
     max_tokens = np.random.RandomState(2).randint(1, 40, len(prompts)).tolist()
     _assert_exact(_generate(llm, prompts, max_tokens), max_tokens)
     counts = llm.engine.dispatch_counts
-    assert counts.prefill_tokens + counts.mixed_tokens == sum(map(len, prompts))
-    assert (counts.mixed_dispatches > 0) == bool(options["mixed_prefill_tokens"])
+    assert counts.prefill_tokens == sum(map(len, prompts))
     kinds = {program.kind for program in llm.engine.device.calls}
-    assert kinds <= {"prefill", "decode", "mixed"}
+    assert kinds == {"prefill", "decode"}
+    pieces = [program.rows for program in llm.engine.device.calls if program.kind == "prefill"]
+    # The first dispatch takes a prompt into every slot, as far as the budget's pieces reach.
+    assert pieces[0] >= min(4, options["max_num_batched_tokens"] // 64)
 
 
 def test_preempted_requests_resume_exactly_and_prefix_hits_read_the_cached_pages(tiny_model):
@@ -64,7 +67,7 @@ def test_preempted_requests_resume_exactly_and_prefix_hits_read_the_cached_pages
     again; prompts sharing a 48-token prefix find its pages. The fake model reads every position's
     hash through the block tables, so a wrong page or position would change the tokens."""
     llm = _engine_llm(
-        tiny_model, max_slots=4, max_seq_len=160, prefill_buckets=(16, 32), kv_cache_tokens=192, page_size=16
+        tiny_model, max_slots=4, max_seq_len=160, max_num_batched_tokens=64, kv_cache_tokens=192, page_size=16
     )
     shared = _prompts(1, seed=3, low=48, high=49)[0]
     prompts = [shared + tail for tail in _prompts(6, seed=4, low=2, high=20)]
@@ -75,7 +78,7 @@ def test_preempted_requests_resume_exactly_and_prefix_hits_read_the_cached_pages
 
 
 def test_no_decode_dispatch_is_sent_for_tokens_past_max_tokens(tiny_model):
-    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, prefill_buckets=(16,), decode_steps=4)
+    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, max_num_batched_tokens=64, decode_steps=4)
     device = llm.engine.device
     for max_tokens in (1, 2, 5, 16):
         device.calls.clear()
@@ -87,7 +90,7 @@ def test_no_decode_dispatch_is_sent_for_tokens_past_max_tokens(tiny_model):
 def test_constrained_rows_are_deferred_and_sampled_under_their_allowed_sets(tiny_model):
     """A grammar's rows are fed by decode steps but sampled by `sample` dispatches under their
     bitmask; an unconstrained neighbour's tokens are the fake model's own."""
-    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, prefill_buckets=(16,), decode_steps=4)
+    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, max_num_batched_tokens=64, decode_steps=4)
     digits = jinfer.SamplingParams(max_tokens=12, regex="[0-9]{12}", **GREEDY)
     free = jinfer.SamplingParams(max_tokens=20, **GREEDY)
     prompts = _prompts(2, seed=7)
@@ -102,7 +105,7 @@ def test_constrained_rows_are_deferred_and_sampled_under_their_allowed_sets(tiny
 def test_a_failing_dispatch_fails_its_requests_and_the_engine_serves_on(tiny_model, consumed):
     """A decode dispatch raises: its running requests end with the error; where the failed call
     consumed the cache the device is reset. The next requests are served exactly."""
-    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, prefill_buckets=(16,), decode_steps=2)
+    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, max_num_batched_tokens=64, decode_steps=2)
     device = llm.engine.device
     device.fail("decode", 2, consumed=consumed)
     failed = _generate(llm, _prompts(2, seed=8), [10, 10])

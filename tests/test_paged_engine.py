@@ -28,7 +28,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def uncached(model):
     """The reference: each request alone, nothing ever cached."""
-    llm = jinfer.LLM(model, max_slots=1, max_seq_len=256, prefill_buckets=(16, 32), prefix_caching=False)
+    llm = jinfer.LLM(model, max_slots=1, max_seq_len=256, max_num_batched_tokens=64, prefix_caching=False)
 
     def alone(prompts, samplings):
         return [llm.generate([p], s)[0].token_ids for p, s in zip(prompts, samplings, strict=True)]
@@ -36,8 +36,8 @@ def uncached(model):
     return alone
 
 
-@pytest.mark.parametrize("mixed", [0, 8], ids=["separate-prefill", "mixed-prefill"])
-def test_prefix_hits_give_the_tokens_computed_from_scratch(model, uncached, mixed):
+@pytest.mark.parametrize("budget", [64, 512], ids=["one-piece", "eight-pieces"])
+def test_prefix_hits_give_the_tokens_computed_from_scratch(model, uncached, budget):
     """A shared system prompt, a second chat turn (the first turn's prompt and answer, then more),
     the same prompt twice in one batch: greedy, seeded and penalised requests find their prefix in
     the cache, compute only the rest, and give the tokens they give with nothing cached."""
@@ -46,11 +46,10 @@ def test_prefix_hits_give_the_tokens_computed_from_scratch(model, uncached, mixe
         max_slots=4,
         max_seq_len=256,
         page_size=16,
-        prefill_buckets=(16, 32),
-        mixed_prefill_tokens=mixed,
+        max_num_batched_tokens=budget,
         decode_steps=2,
     )
-    system = _prompt(1, 70)  # longer than a chunk: cached over several chunks
+    system = _prompt(1, 70)  # longer than a piece: cached over several pieces
     first_turns = [system + _prompt(10 + i, 5 + 3 * i) for i in range(3)]
     first = llm.generate(first_turns, SAMPLINGS)
     assert [o.token_ids for o in first] == uncached(first_turns, SAMPLINGS)
@@ -74,7 +73,7 @@ def test_prefix_hits_give_the_tokens_computed_from_scratch(model, uncached, mixe
 
 
 def test_salted_requests_find_only_their_own_prefixes(model):
-    llm = jinfer.LLM(model, max_slots=2, max_seq_len=128, page_size=16, prefill_buckets=(16, 32))
+    llm = jinfer.LLM(model, max_slots=2, max_seq_len=128, page_size=16)
     engine, prompt = llm.engine, _prompt(3, 40)
     done = []
 
@@ -90,8 +89,8 @@ def test_a_pool_for_four_full_sequences_runs_thirty_two_at_once(model, uncached)
     """kv_cache_tokens = 4 x max_seq_len: 32 short requests all decode at once (the running gauge
     reaches 32), each giving its solo tokens; afterwards every slot and page is free."""
     llm = jinfer.LLM(
-        model, max_slots=32, max_seq_len=256, kv_cache_tokens=1024, page_size=8, prefill_buckets=(16,),
-        decode_steps=1, prefill_token_budget=512,
+        model, max_slots=32, max_seq_len=256, kv_cache_tokens=1024, page_size=8,
+        decode_steps=1, max_num_batched_tokens=512,
     )  # fmt: skip
     engine = llm.engine
     prompts = [_prompt(100 + i, 6 + i % 7) for i in range(32)]
@@ -116,16 +115,16 @@ def dataclass_replace(sampling, **changes):
 
 
 @pytest.mark.parametrize(
-    ("mixed", "decode_steps"), [(0, 1), (8, 1), (0, 4)], ids=["separate-prefill", "mixed-prefill", "4-steps"]
+    ("budget", "decode_steps"), [(64, 1), (512, 1), (512, 4)], ids=["one-piece", "eight-pieces", "4-steps"]
 )
 def test_out_of_pages_requests_are_preempted_and_resume_with_the_same_tokens(
-    model, uncached, mixed, decode_steps
+    model, uncached, budget, decode_steps
 ):
     """A pool for two full-length sequences, eight long generations: sequences are preempted and
     resumed (from the prefix cache) until all complete, each with exactly its solo tokens."""
     llm = jinfer.LLM(
-        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, page_size=16, prefill_buckets=(16, 32),
-        mixed_prefill_tokens=mixed, decode_steps=decode_steps,
+        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, page_size=16,
+        max_num_batched_tokens=budget, decode_steps=decode_steps,
     )  # fmt: skip
     prompts = [_prompt(200 + i, 10 + 3 * i) for i in range(8)]
     samplings = [dataclass_replace(SAMPLINGS[i % 3], max_tokens=90) for i in range(8)]
@@ -143,8 +142,7 @@ def test_constrained_requests_are_preempted_and_resume_with_the_same_tokens(mode
     import re
 
     llm = jinfer.LLM(
-        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, page_size=16, prefill_buckets=(16, 32),
-        decode_steps=4,
+        model, max_slots=8, max_seq_len=128, kv_cache_tokens=256, page_size=16, decode_steps=4,
     )  # fmt: skip
     letters = jinfer.SamplingParams(
         max_tokens=90, temperature=0.9, seed=3, regex="[a-z ]{400}", ignore_eos=True

@@ -17,8 +17,7 @@ SERVE = [
     "--max-slots", "2",
     "--max-seq-len", "128",
     "--page-size", "16",
-    "--prefill-buckets", "32,64",
-    "--mixed-prefill-tokens", "0",
+    "--max-num-batched-tokens", "128",
     "--served-model-name", "tiny",
 ]  # fmt: skip
 

@@ -1,6 +1,6 @@
 """A per-row feature added from outside the engine: a logits processor registered with its input
 per request (`jinfer.inputs.RowProcessor`), declared once here, applied in the one processing
-chain of prompt, decode, mixed and verify steps, and replayed by a follower's device.
+chain of prompt, decode and verify steps, and replayed by a follower's device.
 
 The test's processor adds `amount` to one token's logit, per request: the same arithmetic as a
 logit bias of that token, so an engine with the bias is its reference, bit for bit."""
@@ -28,7 +28,7 @@ OFFSET = RowProcessor(
         values[:, 1]
     ),
 )
-OPTIONS = {"max_slots": 2, "max_seq_len": 128, "prefill_buckets": (16,), "decode_steps": 2}
+OPTIONS = {"max_slots": 2, "max_seq_len": 128, "max_num_batched_tokens": 64, "decode_steps": 2}
 TOKEN, AMOUNT = 17, 2.5
 
 
@@ -55,12 +55,12 @@ SEEDED = jinfer.SamplingParams(max_tokens=20, temperature=1.0, seed=77, ignore_e
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    """The tiny model plain, and with the processor (mixed prefill: prompts arriving while others
-    decode ride along decode steps; n-gram speculation: verify steps)."""
+    """The tiny model plain, and with the processor (prompt pieces of two requests in one prefill
+    dispatch, a row each; n-gram speculation: verify steps)."""
     path = tiny_model("llama_gqa_untied")[0]
     return {
         "plain": jinfer.LLM(path, **OPTIONS),
-        "mixed": jinfer.LLM(path, logits_processors=[OFFSET], mixed_prefill_tokens=4, **OPTIONS),
+        "pieces": jinfer.LLM(path, logits_processors=[OFFSET], **OPTIONS | {"max_num_batched_tokens": 128}),
         "verify": jinfer.LLM(path, logits_processors=[OFFSET], speculative="ngram", **OPTIONS),
     }
 
@@ -73,7 +73,7 @@ def _crowd():
     return prompts, samplings, offset
 
 
-@pytest.mark.parametrize("kind", ["mixed", "verify"])
+@pytest.mark.parametrize("kind", ["pieces", "verify"])
 def test_a_registered_processor_acts_in_every_step_as_its_reference(engines, kind):
     prompts, samplings, offset = _crowd()
     llm = engines[kind]
@@ -85,22 +85,22 @@ def test_a_registered_processor_acts_in_every_step_as_its_reference(engines, kin
     plain = engines["plain"].generate(prompts, samplings)
     assert any(g.token_ids != p.token_ids for g, p, o in zip(got, plain, offset, strict=True) if o)
     counts = llm.engine.dispatch_counts
-    if kind == "mixed":
-        assert counts.mixed_dispatches > 0 and counts.prefill_dispatches > 0
+    if kind == "pieces":
+        assert 0 < counts.prefill_dispatches < len(prompts)  # one carried two prompts' pieces
     else:
         assert counts.accepted_tokens > 0  # later positions of verify steps took offset tokens
 
 
 def test_rows_that_leave_it_neutral_are_unchanged_and_a_large_offset_decides(engines):
     prompts, samplings, _ = _crowd()
-    without = [c.token_ids for c in engines["mixed"].generate(prompts, samplings)]
+    without = [c.token_ids for c in engines["pieces"].generate(prompts, samplings)]
     assert without == [c.token_ids for c in engines["plain"].generate(prompts, samplings)]
-    (forced,) = engines["mixed"].generate(prompts[:1], [_offset(GREEDY, amount=1000.0)])
+    (forced,) = engines["pieces"].generate(prompts[:1], [_offset(GREEDY, amount=1000.0)])
     assert forced.token_ids == [TOKEN] * GREEDY.max_tokens  # the first from the prompt step
 
 
 def test_an_input_that_does_not_fit_its_declaration_is_refused_before_the_engine(engines):
-    llm = engines["mixed"]
+    llm = engines["pieces"]
     bad = dataclasses.replace(GREEDY, extra_args={"logit_offset": (1, 2, 3)})
     with pytest.raises(RequestError, match="logit_offset processor give shape"):
         llm.generate([_prompt(1, 9)], [bad])

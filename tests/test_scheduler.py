@@ -17,14 +17,12 @@ PAGE = 4
 
 class Scheduler(_Scheduler):
     """The scheduler, its returned events delivered at once, as the engine does after each call;
-    a pool of `pages` pages of 4 positions, sequences of up to 128 (prefix caching off unless
-    asked: the requests here share their prompts)."""
+    a pool of `pages` pages of 4 positions, sequences of up to 128, prompt pieces of 16 tokens
+    (prefix caching off unless asked: the requests here share their prompts)."""
 
-    def __init__(
-        self, tokenizer, max_slots, max_queue, chunk_len, token_budget, pages=64, caching=False, **kw
-    ):
+    def __init__(self, tokenizer, max_slots, max_queue, token_budget, pages=64, caching=False, **kw):
         kv = KVPages(pages, PAGE, max_slots, 128 // PAGE, caching)
-        super().__init__(tokenizer, max_slots, max_queue, chunk_len, token_budget, kv, **kw)
+        super().__init__(tokenizer, max_slots, max_queue, token_budget, kv, piece_len=16, **kw)
 
     def plan(self):
         plan = super().plan()
@@ -66,58 +64,61 @@ def _tokens(*rows):
 
 
 def test_queue_bound_admission_and_chunked_prefill(tokenizer):
-    s = Scheduler(tokenizer, max_slots=2, max_queue=3, chunk_len=32, token_budget=40)
+    s = Scheduler(tokenizer, max_slots=2, max_queue=3, token_budget=64)
     long, a, b = _request(tokenizer, "long", 70), _request(tokenizer, "a"), _request(tokenizer, "b")
     for r in (long, a, b):
         s.submit(r)
     with pytest.raises(QueueFullError):
         s.submit(_request(tokenizer, "c"))
     plan = s.plan()
-    # Budget 40: the long prompt's first chunk (32) and all of "a" (5) fit; "b" waits for a slot.
+    # Budget 64, four pieces of 16: the long prompt's first 64 tokens take them all; "a" waits.
     assert [(w.request.request_id, w.start, len(w.tokens), w.last) for w in plan.prefills] == [
-        ("long", 0, 32, False),
+        ("long", 0, 64, False)
+    ]
+    assert plan.decode_owners == [None, None] and list(s.waiting) == [a, b]
+    plan = s.plan()  # the long prompt's rest first, then as many admissions as a slot allows
+    assert [(w.request.request_id, w.start, len(w.tokens), w.last) for w in plan.prefills] == [
+        ("long", 64, 6, True),
         ("a", 0, 5, True),
     ]
-    assert plan.decode_owners == [None, a] and list(s.waiting) == [b]
-    plan = s.plan()
-    assert [(w.start, len(w.tokens)) for w in plan.prefills] == [(32, 32)]
-    plan = s.plan()
-    assert [(w.start, len(w.tokens), w.last) for w in plan.prefills] == [(64, 6, True)]
-    assert plan.decode_owners == [long, a]
+    # A request whose last chunk runs now is decoded by this iteration's decode dispatch too.
+    assert plan.decode_owners == [long, a] and list(s.waiting) == [b]
 
 
-def test_mixed_prefill_carries_one_short_chunk_while_others_decode(tokenizer):
-    s = Scheduler(
-        tokenizer, max_slots=3, max_queue=8, chunk_len=32, token_budget=512, mixed_chunk_len=lambda busy: 8
-    )
-    first, second, third = (
-        _request(tokenizer, rid, n) for rid, n in (("first", 5), ("second", 20), ("third", 3))
-    )
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_decode_tokens_come_first_and_prompts_fill_the_rest_of_the_budget(tokenizer, decode_steps):
+    s = Scheduler(tokenizer, 4, max_queue=8, token_budget=32 + decode_steps, decode_steps=decode_steps)
+    first = _request(tokenizer, "first", 5, max_tokens=100)
     s.submit(first)
-    plan = s.plan()  # nothing decodes yet: the prompt gets a dispatch of its own
-    assert [(w.request, len(w.tokens)) for w in plan.prefills] == [(first, 5)] and plan.fused is None
-    s.submit(second)
-    s.submit(third)
-    chunks = []
-    for _ in range(4):
-        plan = s.plan()
-        assert plan.prefills == [] and plan.decode_owners[0] is first
-        chunks.append(
-            (plan.fused.request.request_id, plan.fused.start, len(plan.fused.tokens), plan.fused.last)
-        )
-        # A request is decoded only from the dispatch after the one carrying its last chunk.
-        assert plan.fused.request not in plan.decode_owners
-    assert chunks == [
-        ("second", 0, 8, False),
-        ("second", 8, 8, False),
-        ("second", 16, 4, True),
-        ("third", 0, 3, True),
+    assert [w.request for w in s.plan().prefills] == [first]
+    waiting = [_request(tokenizer, rid, n) for rid, n in (("second", 20), ("third", 3), ("fourth", 40))]
+    for request in waiting:
+        s.submit(request)
+    # One row decodes decode_steps tokens; the 32 left make two pieces of 16: "second" (20 tokens:
+    # two pieces) is admitted and prefilled whole, "third" waits.
+    plan = s.plan()
+    assert [(w.request.request_id, w.start, len(w.tokens), w.last) for w in plan.prefills] == [
+        ("second", 0, 20, True)
     ]
-    assert s.plan().decode_owners == [first, second, third]
+    assert plan.decode_owners == [first, waiting[0], None, None]
+    plan = s.plan()  # two rows decode now: one piece is left ("fourth" waits)
+    assert [(w.request.request_id, w.start, len(w.tokens), w.last) for w in plan.prefills] == [
+        ("third", 0, 3, True)
+    ]
+
+
+def test_an_iteration_admits_every_request_a_slot_the_pool_and_the_budget_allow(tokenizer):
+    s = Scheduler(tokenizer, max_slots=6, max_queue=16, token_budget=512)
+    requests = [_request(tokenizer, f"r{i}", 10 + i) for i in range(8)]
+    for request in requests:
+        s.submit(request)
+    plan = s.plan()
+    assert [w.request for w in plan.prefills] == requests[:6] and all(w.last for w in plan.prefills)
+    assert plan.decode_owners == requests[:6] and list(s.waiting) == requests[6:]
 
 
 def test_commit_stops_on_eos_length_and_ignores_results_after_finish(tokenizer):
-    s = Scheduler(tokenizer, max_slots=3, max_queue=8, chunk_len=32, token_budget=512)
+    s = Scheduler(tokenizer, max_slots=3, max_queue=8, token_budget=512)
     ev_eos, ev_len, ev_min = [], [], []
     r_eos = _request(tokenizer, "eos", events=ev_eos)
     r_len = _request(tokenizer, "len", events=ev_len, max_tokens=3)
@@ -137,7 +138,7 @@ def test_commit_stops_on_eos_length_and_ignores_results_after_finish(tokenizer):
 
 
 def test_no_decode_dispatch_for_tokens_that_work_in_flight_already_covers(tokenizer):
-    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512, decode_steps=4)
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, token_budget=512, decode_steps=4)
     events = []
     request = _request(tokenizer, "r", events=events, max_tokens=6)
     s.submit(request)
@@ -154,23 +155,9 @@ def test_no_decode_dispatch_for_tokens_that_work_in_flight_already_covers(tokeni
     assert not s.has_work
 
 
-def test_a_decode_dispatch_carrying_a_prompt_chunk_counts_one_step_in_flight(tokenizer):
-    s = Scheduler(
-        tokenizer, 2, 8, chunk_len=32, token_budget=512, mixed_chunk_len=lambda busy: 8, decode_steps=4
-    )
-    first = _request(tokenizer, "first", max_tokens=100)
-    s.submit(first)
-    s.plan()  # its prompt alone (1 token), then a plain decode dispatch (4)
-    assert first.in_flight == 5
-    s.submit(_request(tokenizer, "second", 20))
-    assert s.plan().fused is not None and first.in_flight == 6  # the mixed step decodes one step
-    s.plan()
-    assert first.in_flight == 7
-
-
 def test_events_are_returned_not_delivered(tokenizer):
     """The scheduler hands events back (the engine delivers them outside its lock)."""
-    s = _Scheduler(tokenizer, 1, 8, 32, 512, KVPages(16, PAGE, 1, 32, prefix_caching=False))
+    s = _Scheduler(tokenizer, 1, 8, 512, KVPages(16, PAGE, 1, 32, prefix_caching=False))
     events = []
     request = _request(tokenizer, "r", events=events)
     s.submit(request)
@@ -184,7 +171,7 @@ def test_events_are_returned_not_delivered(tokenizer):
 
 
 def test_bad_logits_end_one_request_and_mark_its_pages(tokenizer):
-    s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512, caching=True)
+    s = Scheduler(tokenizer, max_slots=2, max_queue=8, token_budget=512, caching=True)
     good_events, bad_events = [], []
     good, bad = _request(tokenizer, "good", events=good_events), _request(tokenizer, "bad", events=bad_events)
     s.submit(good)
@@ -201,7 +188,7 @@ def test_bad_logits_end_one_request_and_mark_its_pages(tokenizer):
 
 
 def test_cancel_waiting_and_running(tokenizer):
-    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512)
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, token_budget=512)
     ev_run, ev_wait = [], []
     running, waiting = _request(tokenizer, "run", events=ev_run), _request(tokenizer, "wait", events=ev_wait)
     s.submit(running)
@@ -249,7 +236,7 @@ class FakeDevice:
             if work.last:
                 results.append(([work.request], self._first(work.request)))
         if plan.decodes:
-            steps = 1 if plan.fused else self.s.decode_steps
+            steps = self.s.decode_steps
             rows = []
             for r in plan.decode_owners:
                 rows.append(
@@ -258,8 +245,6 @@ class FakeDevice:
                 if r is not None:
                     self.produced[r] += steps
             results.append((plan.decode_owners, np.array(rows, np.int32).T))
-        if plan.fused is not None and plan.fused.last:
-            results.append(([plan.fused.request], self._first(plan.fused.request)))
         previous, self.pending = self.pending, results
         for owners, tokens in previous:
             self.s.commit(owners, tokens, np.zeros(tokens.shape, bool))
@@ -278,7 +263,7 @@ class FakeDevice:
 
 
 def test_a_prompt_seen_before_is_found_in_the_cache_and_only_its_rest_prefilled(tokenizer):
-    s = Scheduler(tokenizer, max_slots=2, max_queue=8, chunk_len=32, token_budget=512, caching=True)
+    s = Scheduler(tokenizer, max_slots=2, max_queue=8, token_budget=512, caching=True)
     first, again = _request(tokenizer, "first", 10), _request(tokenizer, "again", 10)
     s.submit(first)
     FakeDevice(s).run()
@@ -293,7 +278,7 @@ def test_a_prompt_seen_before_is_found_in_the_cache_and_only_its_rest_prefilled(
 def test_a_whole_cached_prompt_still_computes_its_last_page(tokenizer):
     """The last prompt token must be computed for its logits, and a shared page is never written:
     a prompt of exactly two cached pages takes one from the cache and computes the other."""
-    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512, caching=True)
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, token_budget=512, caching=True)
     s.submit(_request(tokenizer, "first", 8))
     FakeDevice(s).run()
     again = _request(tokenizer, "again", 8)
@@ -302,7 +287,7 @@ def test_a_whole_cached_prompt_still_computes_its_last_page(tokenizer):
 
 
 def test_salts_keep_tenants_apart(tokenizer):
-    s = Scheduler(tokenizer, max_slots=1, max_queue=8, chunk_len=32, token_budget=512, caching=True)
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, token_budget=512, caching=True)
     mine = _request(tokenizer, "mine", 10)
     mine.kv.salt = "tenant-a"
     s.submit(mine)
@@ -324,7 +309,6 @@ def test_out_of_pages_the_latest_admitted_is_preempted_and_resumes_exactly(token
         tokenizer,
         max_slots=3,
         max_queue=8,
-        chunk_len=32,
         token_budget=512,
         pages=13,
         caching=True,

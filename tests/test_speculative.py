@@ -29,7 +29,7 @@ from jinfer.speculative import (
 
 GREEDY = jinfer.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = jinfer.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-OPTIONS = {"max_slots": 4, "max_seq_len": 128, "prefill_buckets": (16, 32), "num_draft_tokens": 3}
+OPTIONS = {"max_slots": 4, "max_seq_len": 128, "max_num_batched_tokens": 128, "num_draft_tokens": 3}
 
 
 def _prompt(seed, length, alphabet=VOCAB):

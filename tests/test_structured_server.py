@@ -80,8 +80,8 @@ def server(smollm2_path):
         "4",
         "--max-seq-len",
         "512",
-        "--prefill-buckets",
-        "64,128",
+        "--max-num-batched-tokens",
+        "128",
         "--decode-steps",
         "2",
     ]

@@ -24,7 +24,7 @@ SERVER_OPTIONS = [
     "--max-slots", "2",
     "--max-queue", "1",
     "--max-seq-len", "2048",
-    "--prefill-buckets", "64,128",
+    "--max-num-batched-tokens", "128",
 ]  # fmt: skip
 # What Chromium needs here: no sandbox as root, and no background connections (the network is closed).
 CHROMIUM_FLAGS = [
