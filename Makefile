@@ -48,6 +48,8 @@ bench: setup
 	$(PY) scripts/bench_host.py --out results
 	$(PY) scripts/bench_doors.py --out results
 	$(PY) scripts/bench_serve.py --out results
+	$(PY) scripts/bench_budget.py --out results
+	$(PY) scripts/bench_crowd.py --baseline 702fe19 --out results
 	$(PY) scripts/bench_kv_pool.py --out results
 	$(PY) scripts/bench_paged_decode.py --baseline bd7b873 --page-sizes 64,32 --out results
 	$(PY) scripts/bench_quantized.py --out results

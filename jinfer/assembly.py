@@ -114,4 +114,5 @@ def _scheduler(loaded: LoadedModel, layout: Layout, kv: KVPages) -> Scheduler:
         kv,
         layout.decode_steps,
         layout.draft_tokens,
+        piece_buckets=layout.piece_buckets,
     )

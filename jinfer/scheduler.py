@@ -77,6 +77,7 @@ class Scheduler:
         decode_steps: int = 1,
         draft_tokens: int = 0,
         piece_len: int = PROMPT_PIECE,
+        piece_buckets: tuple[int, ...] | None = None,
     ):
         self.tokenizer = tokenizer
         self.decode_steps = decode_steps  # tokens a decode dispatch produces per slot
@@ -84,6 +85,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.token_budget = token_budget  # tokens an iteration computes, decode tokens first
         self.piece_len = piece_len  # prompt chunks take whole pieces of the budget
+        # The piece counts a prefill dispatch is compiled for (None: any count).
+        self.piece_buckets = piece_buckets
         self.kv = kv
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
@@ -124,7 +127,7 @@ class Scheduler:
         the latest admitted when the pool runs out), schedule prompt chunks, list decoders.
 
         The iteration's token budget goes to the decode tokens first; what is left, in whole pieces
-        (at least one), to prompt chunks: requests part-way through a prompt first, then as many
+        (at least one, rounded up to the dispatch's piece bucket), to prompt chunks: requests part-way through a prompt first, then as many
         admissions as a slot, the pool and the budget allow, each chunk as long as its prompt's
         rest or the pieces left.
         """
@@ -137,7 +140,7 @@ class Scheduler:
         self._grow_running()
 
         decoding = sum(r.dispatch_tokens(self.decode_steps) for r in self._decode_owners() if r is not None)
-        pieces = max(1, (self.token_budget - decoding) // self.piece_len)
+        pieces = self._piece_room(max(1, (self.token_budget - decoding) // self.piece_len))
         prefills: list[PrefillWork] = []
         for request in self._needing_prefill():
             prefills.append(self._next_chunk(request, pieces * self.piece_len))
@@ -147,6 +150,13 @@ class Scheduler:
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
         # (the device runs the prefill first; its admission gave it pages for that).
         return self._in_flight(Plan(prefills, self._decode_owners()))
+
+    def _piece_room(self, pieces: int) -> int:
+        """Pieces a dispatch may fill: `pieces`, up to the bucket it would be padded to anyway (a
+        padding piece costs what a real one does)."""
+        if self.piece_buckets is None:
+            return pieces
+        return next((b for b in self.piece_buckets if b >= pieces), self.piece_buckets[-1])
 
     def _decode_owners(self) -> list[Request | None]:
         """Per slot, the request the decode dispatch decodes there (None: the row is inactive)."""

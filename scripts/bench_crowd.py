@@ -113,6 +113,7 @@ async def burst(base: str, prompts: list[list[int]], tokens: int) -> dict:
     )
     stop.set()
     most = await watcher
+    await client.close()
     done = [r for r in results if isinstance(r, dict)]
     ttft = np.array([r["ttft"] for r in done])
     wall = max(r["end"] for r in done) - sent

@@ -107,6 +107,17 @@ def test_decode_tokens_come_first_and_prompts_fill_the_rest_of_the_budget(tokeni
     ]
 
 
+def test_the_pieces_left_fill_the_bucket_the_dispatch_is_padded_to(tokenizer):
+    s = Scheduler(tokenizer, 4, max_queue=8, token_budget=64, piece_buckets=(1, 2, 4))
+    first = _request(tokenizer, "first", 5, max_tokens=100)
+    s.submit(first)
+    s.plan()
+    long = _request(tokenizer, "long", 100)
+    s.submit(long)
+    # One decode token leaves 63: three whole pieces, padded to four in the dispatch: four it is.
+    assert [(w.request, len(w.tokens)) for w in s.plan().prefills] == [(long, 64)]
+
+
 def test_an_iteration_admits_every_request_a_slot_the_pool_and_the_budget_allow(tokenizer):
     s = Scheduler(tokenizer, max_slots=6, max_queue=16, token_budget=512)
     requests = [_request(tokenizer, f"r{i}", 10 + i) for i in range(8)]

@@ -28,8 +28,8 @@ Layouts, chosen from XLA:CPU profiles of the decode step (scripts/profile_decode
     steps, short prompt chunks; XLA:CPU's GEMM runs 2-16 columns below the bandwidth); longer
     prompt chunks keep XLA's dot.
   * A matrix may instead be held quantized (`models.quantized`: a GGUF's blocks, or int8 made at
-    load), multiplied by jinfer's quantized kernel for as many columns, dequantized inside the
-    step for more; the embedding's rows are then gathered from its blocks.
+    load), multiplied by jinfer's quantized kernel (32 columns at a time); the embedding's rows
+    are then gathered from its blocks.
   * Every product goes through `models.linear.project`, which knows how each holding (float,
     packed, quantized) multiplies; the layers never ask.
   * `jax.named_scope`s (qkv_proj, kv_write, attention, out_proj, mlp, logits) label the compiled

@@ -22,10 +22,12 @@ weight in different formats stay apart: `HostStack` -> `StackedWeight`).
 `block_rows()`), field by field, float16 scales first, integers input-major. Nothing is
 dequantized on the way, so a weight holds about the file's bytes.
 
-Products (`project`): up to `MAX_COLUMNS` columns (decode steps, short chunks) run the kernel,
-which dequantizes in registers; more columns (prompt chunks) multiply the matrix dequantized by
-XLA inside the step (`dequantize`), which the product of hundreds of columns outweighs. Without the
-kernel every product takes that path. Embedding rows are gathered from the blocks (`take_rows`).
+Products (`project`) run the kernel, which dequantizes in registers, over `MAX_COLUMNS` columns
+at a time: a prompt's hundreds of columns in slices of them. (Dequantizing the whole matrix in the
+step for XLA's dot cost SmolLM2's Q4_1 file ~210 ms a prefill dispatch on a 2-core EPYC: 64
+prompt tokens in 314 against 103 ms sliced, 512 in 932 against 794; scripts/bench_budget.py.)
+A column's bits are then the kernel's whatever the product's count, decode's and prompt's alike.
+Without the kernel every product multiplies the dequantized matrix by XLA's dot. Embedding rows are gathered from the blocks (`take_rows`).
 """
 
 from __future__ import annotations
@@ -372,14 +374,16 @@ def take_rows(w: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Arra
 
 
 def project(w: QuantizedWeight | StackedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.Array:
-    """w times columns x [in, N] -> [out..., N] (float32): the kernel for up to MAX_COLUMNS
-    columns, XLA's dot over the dequantized matrix for more (or without the kernel)."""
+    """w times columns x [in, N] -> [out..., N] (float32): the kernel over MAX_COLUMNS columns at
+    a time, or XLA's dot over the dequantized matrix without the kernel."""
     if isinstance(w, StackedWeight):
         dims = len(out_dims)
         outs = [project(p, x, p.shape[:dims]) for p in w.parts]
         return jnp.concatenate(outs, axis=w.axis)
-    if x.shape[1] <= MAX_COLUMNS and cpu_quant_matmul.available():
-        out = cpu_quant_matmul.matmul(w.blocks, x, w.format, w.out_features)
+    if cpu_quant_matmul.available():
+        slices = [x[:, at : at + MAX_COLUMNS] for at in range(0, x.shape[1], MAX_COLUMNS)]
+        outs = [cpu_quant_matmul.matmul(w.blocks, part, w.format, w.out_features) for part in slices]
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     else:
         matrix = dequantize(w).reshape(w.out_features, w.in_features)
         out = jnp.dot(matrix, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
