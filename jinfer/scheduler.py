@@ -127,9 +127,9 @@ class Scheduler:
         the latest admitted when the pool runs out), schedule prompt chunks, list decoders.
 
         The iteration's token budget goes to the decode tokens first; what is left, in whole pieces
-        (at least one, rounded up to the dispatch's piece bucket), to prompt chunks: requests part-way through a prompt first, then as many
-        admissions as a slot, the pool and the budget allow, each chunk as long as its prompt's
-        rest or the pieces left.
+        (at least one, rounded up to the dispatch's piece bucket), to prompt chunks: requests
+        part-way through a prompt first, then as many admissions as a slot, the pool and the budget
+        allow, each chunk as long as its prompt's rest or the pieces left.
         """
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)

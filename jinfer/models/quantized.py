@@ -27,7 +27,8 @@ at a time: a prompt's hundreds of columns in slices of them. (Dequantizing the w
 step for XLA's dot cost SmolLM2's Q4_1 file ~210 ms a prefill dispatch on a 2-core EPYC: 64
 prompt tokens in 314 against 103 ms sliced, 512 in 932 against 794; scripts/bench_budget.py.)
 A column's bits are then the kernel's whatever the product's count, decode's and prompt's alike.
-Without the kernel every product multiplies the dequantized matrix by XLA's dot. Embedding rows are gathered from the blocks (`take_rows`).
+Without the kernel every product multiplies the dequantized matrix by XLA's dot. Embedding rows
+are gathered from the blocks (`take_rows`).
 """
 
 from __future__ import annotations
