@@ -133,15 +133,15 @@ CHOICES = {
 }
 
 
-# Matrix kernels work in tiles of columns: XLA:CPU multiplied 9 columns no faster than 16. Column
-# counts that the engine chooses round up to this.
+# Matrix kernels work in tiles of columns: XLA:CPU multiplied 9 columns no faster than 16. The
+# few-column kernels take whole tiles (`cpu_matmul.MAX_COLUMNS`).
 COLUMN_TILE = 8
 
 # Prompt tokens go to the device in pieces of this many (`jinfer.state.PrefillChunk`): a dispatch
 # carries whole pieces of as many requests' prompts as fit the iteration's token budget. Its
-# products then always have a multiple of 64 columns, where XLA:CPU's GEMM gives a column the same
-# bits whatever its neighbours (at other counts its tiling changes a column's sums), so a prompt
-# token's K/V do not depend on what else its dispatch carried.
+# products then always have a multiple of 64 columns, where XLA:CPU's GEMM gave a column the same
+# bits whatever its neighbours on the AVX-512 EPYC measured (at other counts its tiling changed a
+# column's sums), so a prompt token's K/V do not depend on what else its dispatch carried.
 PROMPT_PIECE = 64
 
 
