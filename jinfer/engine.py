@@ -285,13 +285,13 @@ class Engine:
         """The plan's prompt chunks, cut into pieces, as one prefill dispatch (a piece bucket);
         the pending record of the pieces that end a prompt."""
         vocab = self.steps.vocab_size
-        pieces, ending = [], []  # each piece's rows; the request a piece ends the prompt of, or None
+        pieces, owners, ending = [], [], []  # each piece's rows, request, and the request it ends
         for work in works:
             rows = work.pieces(PROMPT_PIECE, vocab)
             pieces += rows
+            owners += [work.request] * len(rows)
             ending += [None] * (len(rows) - 1) + [work.request if work.last else None]
         bucket = self.layout.piece_bucket(len(pieces))
-        owners = [work.request for work in works for _ in range(work.piece_count(PROMPT_PIECE))]
         owners += [None] * (bucket - len(owners))
         wants = np.bool_(any(w.request.sampling.logprobs is not None for w in works if w.last))
         inputs = self._inputs(owners, steps=np.ones(bucket, np.int32), want_logprobs=wants, allowed=allowed)

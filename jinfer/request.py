@@ -18,7 +18,7 @@ import numpy as np
 from jinfer.paging import SequencePages
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.speculation import DraftRecord
-from jinfer.state import pack_piece
+from jinfer.state import cut_pieces
 from jinfer.structured import Constraint
 from jinfer.tokenizer import TextStream
 
@@ -151,7 +151,11 @@ class PrefillWork:
         request's settings for the device (`jinfer.state.pack_piece`); only the chunk's final piece
         may end the prompt."""
         request, sp = self.request, self.request.sampling
-        settings = dict(
+        return cut_pieces(
+            self.tokens,
+            start=self.start,
+            last=self.last,
+            piece_len=piece_len,
             slot=self.slot,
             generated=request.generated_before,
             min_tokens=sp.min_tokens,
@@ -160,18 +164,6 @@ class PrefillWork:
             sampling=SamplingArrays.from_params([sp], [request.seed]),
             vocab=vocab,
         )
-        rows = []
-        for at in range(0, len(self.tokens), piece_len):
-            part = self.tokens[at : at + piece_len]
-            tokens = np.zeros(piece_len, np.int32)
-            tokens[: len(part)] = part
-            final = at + piece_len >= len(self.tokens)
-            rows.append(
-                pack_piece(
-                    tokens, start=self.start + at, length=len(part), last=self.last and final, **settings
-                )
-            )
-        return rows
 
     def piece_count(self, piece_len: int) -> int:
         return -(-len(self.tokens) // piece_len)

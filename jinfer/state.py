@@ -297,14 +297,39 @@ def pack_piece(
     return np.concatenate([*packed_ints, np.asarray(tokens, np.int32)]), np.concatenate(packed_floats)
 
 
+def cut_pieces(
+    tokens, *, start: int, last: bool, piece_len: int, **settings
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A run of one prompt's tokens from position `start` cut into pieces of `piece_len` (the last
+    padded), each packed by `pack_piece` with `settings`; only the final piece ends the prompt, if
+    the run does (`last`)."""
+    rows = []
+    for at in range(0, len(tokens), piece_len):
+        length = min(piece_len, len(tokens) - at)
+        part = np.zeros(piece_len, np.int32)
+        part[:length] = tokens[at : at + length]
+        final = at + piece_len >= len(tokens)
+        rows.append(pack_piece(part, start=start + at, length=length, last=last and final, **settings))
+    return rows
+
+
 def pack_pieces(
     rows: list[tuple[np.ndarray, np.ndarray]], pieces: int, piece_len: int, vocab: int
 ) -> PackedChunk:
     """`pack_piece` rows stacked into a chunk of `pieces` pieces of `piece_len` tokens, the rows
     past them padding pieces (length 0, greedy: they write nothing and their token is never read)."""
     padding = pack_piece(
-        np.zeros(piece_len, np.int32), slot=0, start=0, length=0, last=False, generated=0, min_tokens=0,
-        bias={}, stop_ids=(), sampling=_EMPTY_KNOBS, vocab=vocab,
+        np.zeros(piece_len, np.int32),
+        slot=0,
+        start=0,
+        length=0,
+        last=False,
+        generated=0,
+        min_tokens=0,
+        bias={},
+        stop_ids=(),
+        sampling=_EMPTY_KNOBS,
+        vocab=vocab,
     )
     ints = np.tile(padding[0], (pieces, 1))
     floats = np.tile(padding[1], (pieces, 1))

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,14 +30,9 @@ import time
 import httpx
 import numpy as np
 from benchlib import git_worktree, markdown_table, progress, write_results
+from serve_replicas import free_port, wait_until
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -51,17 +45,11 @@ def server(tree: str, options: list[str], cache: str):
     proc = subprocess.Popen([*command, *options], cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError("server exited:\n" + log.read()[-3000:])
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not become ready")
-            time.sleep(0.5)
+        try:
+            wait_until(base + "/ready", [proc], timeout=900)
+        except RuntimeError:
+            log.seek(0)
+            raise RuntimeError("server exited:\n" + log.read()[-3000:]) from None
         yield base
     finally:
         proc.terminate()

@@ -56,7 +56,7 @@ from jinfer.models.params import init_params
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.sharding import make_mesh, param_shardings
 from jinfer.speculative import LONGEST_NGRAM, program_lengths, verify_programs
-from jinfer.state import pack_piece, pack_pieces
+from jinfer.state import cut_pieces, pack_pieces
 from jinfer.steps import build_steps, prefill_program
 from jinfer.weights import Weights
 
@@ -99,13 +99,8 @@ def prompt_pieces(cfg, tokens: int, pieces: int):
     """A random greedy prompt of `tokens` tokens into slot 0, in `pieces` pieces (a bucket)."""
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, tokens)
-    rows = []
-    for at in range(0, tokens, PROMPT_PIECE):
-        part = np.zeros(PROMPT_PIECE, np.int32)
-        part[: len(prompt[at : at + PROMPT_PIECE])] = prompt[at : at + PROMPT_PIECE]
-        flags = {"slot": 0, "start": at, "length": min(PROMPT_PIECE, tokens - at), "generated": 0}
-        flags |= {"last": at + PROMPT_PIECE >= tokens, "min_tokens": 0}
-        rows.append(pack_piece(part, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=cfg.vocab_size))
+    flags = {"slot": 0, "start": 0, "last": True, "generated": 0, "min_tokens": 0, "bias": {}, "stop_ids": ()}
+    rows = cut_pieces(prompt, piece_len=PROMPT_PIECE, **flags, sampling=greedy, vocab=cfg.vocab_size)
     return pack_pieces(rows, pieces, PROMPT_PIECE, cfg.vocab_size)
 
 
