@@ -271,7 +271,7 @@ def main() -> int:
             max_slots=slots,
             max_seq_len=max(4096, 2 * args.context),
             dtype=args.dtype,
-            max_num_batched_tokens=args.prefill_tokens,
+            max_num_batched_tokens=-(-args.prefill_tokens // PROMPT_PIECE) * PROMPT_PIECE,
         )
         variants = {"einsum": dataclasses.replace(base, decode_kernel=False)}
         if layout_of(base, cfg).attention_kernel:  # the paged kernel at each page size asked for
