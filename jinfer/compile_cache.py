@@ -3,6 +3,8 @@ engine on the same machine loads them instead of compiling (seconds instead of a
 
     use(setting) -> the folder in use, or None      each door, before it loads a model
     tally() -> Tally                                 programs loaded from it and compiled, so far
+    count_kept(seconds)                              one more loaded (`jinfer.program_store`'s)
+    with bypassed(): ...                             compile fresh, JAX's cache unread
 
 The setting (`EngineConfig.compile_cache`, `--compile-cache`) is "auto", "off" or a folder. Auto
 is the folder JAX was already given ($JAX_COMPILATION_CACHE_DIR, `jax_compilation_cache_dir`),
@@ -16,6 +18,7 @@ point it at one others can write.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -71,6 +74,34 @@ def _count(event: str, duration: float = 0.0, **_) -> None:
             _tally = dataclasses.replace(_tally, loaded=_tally.loaded + 1)
         elif event == "/jax/core/compile/backend_compile_duration":  # compiled or loaded
             _tally = Tally(_tally.programs + 1, _tally.loaded, _tally.seconds + duration)
+
+
+@contextlib.contextmanager
+def bypassed():
+    """Meanwhile, in every thread, JAX's cache is neither read nor written: what compiles is
+    compiled here. An executable JAX loaded from its cache serializes without some of its functions
+    (jaxlib 0.10's XLA:CPU; loaded again it fails with "Function ... not found"), so what
+    `jinfer.program_store` keeps must be compiled fresh."""
+    with _bypass_lock:
+        was = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # JAX decides once whether its cache is used: ask again
+        try:
+            yield
+        finally:
+            jax.config.update("jax_enable_compilation_cache", was)
+            compilation_cache.reset_cache()
+
+
+_bypass_lock = threading.Lock()
+
+
+def count_kept(seconds: float) -> None:
+    """One executable loaded whole from the program store (`jinfer.program_store`): JAX reports
+    no event for it."""
+    global _tally
+    with _tally_lock:
+        _tally = Tally(_tally.programs + 1, _tally.loaded + 1, _tally.seconds + seconds)
 
 
 monitoring.register_event_listener(_count)

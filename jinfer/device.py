@@ -12,16 +12,19 @@ call (the engine's loop and a server scoring a text).
     history(packed)   clear_pages(pages)   set_tables(tables)   reset()   score(tokens) -> arrays
 
 An input's `allowed` bitmask is None when no row is constrained: the device passes its resident
-all-bits-set mask instead of uploading one. `warm_up` compiles every program, all at once on
-every core, then dispatches each once;
+all-bits-set mask instead of uploading one. `warm_up` builds every program's executable (kept
+whole from an earlier start, `jinfer.program_store`, or compiled all at once on every core), then
+dispatches each once; a dispatch runs its program's executable without tracing;
 `idle_inputs` are a program's inputs with no row busy (warm-up; timing verify steps,
 `speculation.measure_verify_costs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -29,8 +32,10 @@ from functools import partial
 import jax
 import numpy as np
 
+from jinfer import compile_cache
 from jinfer.config import PROMPT_PIECE
 from jinfer.inputs import DispatchOutput, Program, RowInputs, neutral_inputs
+from jinfer.program_store import ProgramStore
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scoring import score_program
 from jinfer.speculative import DRAFT_SOURCES, program_lengths
@@ -53,6 +58,8 @@ class Device:
         self.cache = steps.new_cache(dtype)
         self.state = steps.new_state()
         self.tables = steps.put_tables(tables)
+        # Each program's executable, built by the warm-up: calls go straight to it (no trace).
+        self.executables: dict[Program, jax.stages.Compiled] = {}
 
     def _call(self, verb: str, args: tuple, run: Callable[[], object]):
         with self._lock:
@@ -73,11 +80,12 @@ class Device:
         """Run one of the steps' programs over the device's values (`Steps.programs`)."""
 
         def run():
-            jitted = self.steps.programs[program]
+            built = self.executables.get(program)
+            call = self.steps.programs[program] if built is None else built
             if program.kind == "sample":
-                self.state, out = jitted(*self._program_args(program, inputs, chunk))
+                self.state, out = call(*self._program_args(program, inputs, chunk))
                 return out
-            self.cache, self.state, out = jitted(*self._program_args(program, inputs, chunk))
+            self.cache, self.state, out = call(*self._program_args(program, inputs, chunk))
             return out
 
         return self._call("dispatch", (program, inputs, chunk), run)
@@ -146,13 +154,32 @@ class Device:
         jax.block_until_ready((out, self.cache, self.state))
 
     def _compile_programs(self, idle: dict[Program, tuple[RowInputs, PackedChunk | None]]) -> None:
-        """Compile every program for its `idle` inputs and chunk before its first call, several at
-        once: tracing them is Python's work, one at a time, but XLA's compiles (or the compile
-        cache's loads) run on every core. A call with the same arguments' shapes then finds its
-        executable compiled."""
-        lowered = [self.steps.programs[p].lower(*self._program_args(p, *idle[p])) for p in idle]
+        """Build every program's executable for its `idle` inputs and chunk before its first call:
+        the one kept whole from an earlier start (`jinfer.program_store`) where there is one, else
+        traced (Python's work, one at a time), compiled on every core at once and kept (with no
+        store, JAX's compile cache may load them instead: `compile_cache.bypassed` says why not
+        otherwise). Calls with the same arguments' shapes run it."""
+        store = ProgramStore.for_steps(self.steps)
+        args = {program: self._program_args(program, *idle[program]) for program in idle}
         with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-            list(pool.map(lambda program: program.compile(), lowered))
+            if store is not None:
+                kept = pool.map(lambda p: (p, self._load_kept(store, p, args[p])), idle)
+                self.executables.update((p, built) for p, built in kept if built is not None)
+            missing = [program for program in idle if program not in self.executables]
+            lowered = [self.steps.programs[program].lower(*args[program]) for program in missing]
+            with compile_cache.bypassed() if store is not None else contextlib.nullcontext():
+                compiled = list(pool.map(lambda program: program.compile(), lowered))
+            self.executables.update(zip(missing, compiled, strict=True))
+            if store is not None:
+                list(pool.map(lambda p: store.save(p, args[p], self.executables[p]), missing))
+
+    @staticmethod
+    def _load_kept(store: ProgramStore, program: Program, args: tuple) -> jax.stages.Compiled | None:
+        start = time.perf_counter()
+        built = store.load(program, args)
+        if built is not None:
+            compile_cache.count_kept(time.perf_counter() - start)
+        return built
 
     def _idle_chunk(self, program: Program) -> PackedChunk | None:
         """A prefill program's pieces: one greedy one-token prompt into slot 0, the rest padding

@@ -123,7 +123,9 @@ class Engine:
         return seconds
 
     def compile_count(self) -> int:
-        return self.steps.compile_count()
+        """Executables built so far: the warm-up's (`Device.executables`) and any a jitted call
+        compiled (a warm engine must keep this constant)."""
+        return self.steps.compile_count() + len(self.device.executables)
 
     def follow(self) -> int:
         """A follower's life (`jinfer.cluster`): make the leader's device calls until it stops; the

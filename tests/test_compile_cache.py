@@ -2,19 +2,24 @@
 time, and answers the same."""
 
 import contextlib
+import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
 
 import httpx
 import jax
+import numpy as np
 import pytest
 from test_server import _free_port, terminate
 
-from jinfer import compile_cache
+import jinfer
+from jinfer import compile_cache, program_store
 from jinfer.config import EngineConfig
+from jinfer.inputs import Program
 
 WARM_UP = re.compile(r"warm-up: [\d.]+ s; (\d+) programs in [\d.]+ s \((\d+) loaded from the compile cache")
 
@@ -75,3 +80,77 @@ def test_the_folder_a_setting_names(tmp_path, monkeypatch):
 def test_a_setting_that_names_no_folder_is_refused(setting):
     with pytest.raises(ValueError, match="compile_cache must be auto, off or a folder"):
         EngineConfig(compile_cache=setting)
+
+
+GENERATE = """
+import json, sys
+import jinfer
+from jinfer.compile_cache import tally
+llm = jinfer.LLM(sys.argv[1], compile_cache=sys.argv[2], max_slots=2, max_seq_len=64,
+                 max_num_batched_tokens=64, page_size=16)
+llm.engine.warmup()
+built = tally()
+tokens = llm.generate(["Hello there"], jinfer.SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+print(json.dumps({"tokens": tokens, "programs": built.programs, "loaded": built.loaded}))
+"""
+
+
+def _generate_in_a_process(model: str, folder) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", GENERATE, model, str(folder)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_executables_are_kept_whole_even_where_jax_cache_holds_them(tiny_model, tmp_path):
+    """A restart loads each program's executable kept whole (no tracing), and it runs. The second
+    process finds every program in JAX's own cache but none kept: what it keeps must still be a
+    fresh compile (one JAX loaded from its cache serializes without some of its functions)."""
+    model = tiny_model("llama_gqa_untied")[0]
+    first = _generate_in_a_process(model, tmp_path)
+    assert first["loaded"] == 0
+    shutil.rmtree(tmp_path / program_store.SUBFOLDER)  # JAX's cache stays
+    again = _generate_in_a_process(model, tmp_path)
+    kept = sorted((tmp_path / program_store.SUBFOLDER).glob("*.executable"))
+    restarted = _generate_in_a_process(model, tmp_path)
+    assert kept and restarted["loaded"] == restarted["programs"] == first["programs"]
+    assert first["tokens"] == again["tokens"] == restarted["tokens"]
+
+
+def test_a_second_engine_of_the_same_layout_traces_nothing(tiny_model, monkeypatch):
+    options = dict(max_slots=2, max_seq_len=64, max_num_batched_tokens=64, page_size=16)
+    model = tiny_model("qwen2_bias_tied")[0]
+    first = jinfer.LLM(model, **options)
+    first.engine.warmup()
+    loads = []
+    load = program_store.ProgramStore.load
+    monkeypatch.setattr(program_store.ProgramStore, "load", lambda *a: loads.append(load(*a)) or loads[-1])
+    lowered = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: lowered.append(a))
+    second = jinfer.LLM(model, **options)
+    second.engine.warmup()
+    assert len(loads) == len(second.engine.steps.programs) and all(loads) and lowered == []
+    prompts, greedy = ["one two three", "four"], jinfer.SamplingParams(max_tokens=6, temperature=0)
+    assert [c.token_ids for c in second.generate(prompts, greedy)] == [
+        c.token_ids for c in first.generate(prompts, greedy)
+    ]
+
+
+def test_what_keys_a_kept_executable():
+    class Steps:
+        model, draft_model, layout, vocab_size, processors = "model", None, "layout", 10, ()
+        mesh = "mesh"
+
+    store = program_store.ProgramStore.for_steps(Steps())
+    program, other = (Program("decode", rows, 64, 0, 0, False) for rows in (1, 4))
+    args = (np.zeros((4, 2), np.float32), None)
+    assert store.path(program, args) == store.path(program, (np.ones((4, 2), np.float32), None))
+    assert store.path(program, args) != store.path(other, args)
+    assert store.path(program, args) != store.path(program, (np.zeros((4, 3), np.float32), None))
+    assert store.path(program, args) != store.path(program, (np.zeros((4, 2), np.int32), None))
+    elsewhere = Steps()
+    elsewhere.layout = "another layout"
+    assert program_store.ProgramStore.for_steps(elsewhere).path(program, args) != store.path(program, args)
+    elsewhere.processors = ("a processor",)  # user code the key cannot read: nothing kept
+    assert program_store.ProgramStore.for_steps(elsewhere) is None

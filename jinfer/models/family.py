@@ -32,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from jinfer.config import ModelConfig, UnsupportedModelError
@@ -82,6 +84,12 @@ def _import_families() -> None:
         except ImportError as e:
             raise UnsupportedModelError(f"{ENVIRONMENT} names {module!r}, which does not import: {e}") from e
         _imported.add(module)
+
+
+def family_source_files() -> list[Path]:
+    """The files of the family modules imported from outside jinfer (named in JINFER_FAMILIES)."""
+    modules = [sys.modules[name] for name in sorted(_imported) if not name.startswith("jinfer.")]
+    return [Path(module.__file__) for module in modules if getattr(module, "__file__", None)]
 
 
 def _lookup(table: dict[str, Family], name: str | None, what: str) -> Family:
