@@ -5,6 +5,7 @@ engine on the same machine loads them instead of compiling (seconds instead of a
     tally() -> Tally                                 programs loaded from it and compiled, so far
     count_kept(seconds)                              one more loaded (`jinfer.program_store`'s)
     with bypassed(): ...                             compile fresh, JAX's cache unread
+    compile_fresh(lowered) -> (compiled, fresh)      fresh: built by XLA just now
 
 The setting (`EngineConfig.compile_cache`, `--compile-cache`) is "auto", "off" or a folder. Auto
 is the folder JAX was already given ($JAX_COMPILATION_CACHE_DIR, `jax_compilation_cache_dir`),
@@ -67,13 +68,28 @@ def tally() -> Tally:
     return _tally
 
 
+_this_thread = threading.local()  # XLA builds and JAX cache loads made by this thread
+
+
 def _count(event: str, duration: float = 0.0, **_) -> None:
     global _tally
     with _tally_lock:
         if event == "/jax/compilation_cache/cache_hits":
             _tally = dataclasses.replace(_tally, loaded=_tally.loaded + 1)
+            _this_thread.loaded = getattr(_this_thread, "loaded", 0) + 1
         elif event == "/jax/core/compile/backend_compile_duration":  # compiled or loaded
             _tally = Tally(_tally.programs + 1, _tally.loaded, _tally.seconds + duration)
+            _this_thread.built = getattr(_this_thread, "built", 0) + 1
+
+
+def compile_fresh(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+    """`lowered` compiled, and whether XLA compiled it just now: neither loaded from JAX's cache
+    nor an executable this process built before for the same computation (which may itself have
+    come from the cache). Only a fresh one serializes whole (`bypassed`)."""
+    seen = lambda: (getattr(_this_thread, "built", 0), getattr(_this_thread, "loaded", 0))
+    built, loaded = seen()
+    compiled = lowered.compile()
+    return compiled, seen() == (built + 1, loaded)
 
 
 @contextlib.contextmanager

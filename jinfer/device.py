@@ -32,7 +32,7 @@ from functools import partial
 import jax
 import numpy as np
 
-from jinfer import compile_cache
+from jinfer.compile_cache import bypassed, compile_fresh, count_kept
 from jinfer.config import PROMPT_PIECE
 from jinfer.inputs import DispatchOutput, Program, RowInputs, neutral_inputs
 from jinfer.program_store import ProgramStore
@@ -157,7 +157,7 @@ class Device:
         """Build every program's executable for its `idle` inputs and chunk before its first call:
         the one kept whole from an earlier start (`jinfer.program_store`) where there is one, else
         traced (Python's work, one at a time), compiled on every core at once and kept (with no
-        store, JAX's compile cache may load them instead: `compile_cache.bypassed` says why not
+        store, JAX's compile cache may load them instead: `bypassed` says why not
         otherwise). Calls with the same arguments' shapes run it."""
         store = ProgramStore.for_steps(self.steps)
         args = {program: self._program_args(program, *idle[program]) for program in idle}
@@ -167,18 +167,19 @@ class Device:
                 self.executables.update((p, built) for p, built in kept if built is not None)
             missing = [program for program in idle if program not in self.executables]
             lowered = [self.steps.programs[program].lower(*args[program]) for program in missing]
-            with compile_cache.bypassed() if store is not None else contextlib.nullcontext():
-                compiled = list(pool.map(lambda program: program.compile(), lowered))
-            self.executables.update(zip(missing, compiled, strict=True))
-            if store is not None:
-                list(pool.map(lambda p: store.save(p, args[p], self.executables[p]), missing))
+            with bypassed() if store is not None else contextlib.nullcontext():
+                compiled = dict(zip(missing, pool.map(compile_fresh, lowered), strict=True))
+            self.executables.update({program: built for program, (built, _) in compiled.items()})
+            if store is not None:  # what this process had built before may not serialize whole
+                fresh = [program for program, (_, new) in compiled.items() if new]
+                list(pool.map(lambda p: store.save(p, args[p], self.executables[p]), fresh))
 
     @staticmethod
     def _load_kept(store: ProgramStore, program: Program, args: tuple) -> jax.stages.Compiled | None:
         start = time.perf_counter()
         built = store.load(program, args)
         if built is not None:
-            compile_cache.count_kept(time.perf_counter() - start)
+            count_kept(time.perf_counter() - start)
         return built
 
     def _idle_chunk(self, program: Program) -> PackedChunk | None:

@@ -12,7 +12,9 @@ package, and the family modules $JINFER_FAMILIES adds), jax's and jaxlib's versi
 instruction set, the kernels' build flags, XLA's flags, the devices, the model's configuration, the
 layout, the mesh, the program, and its arguments' structure, shapes, dtypes and shardings. Where
 the key cannot see everything, there is no store: logits processors (user code the key does not
-read) and several processes. The files live in `programs/` under the compile cache's folder (no
+read) and several processes; and with $JINFER_KEEP_EXECUTABLES=0, for those who edit jinfer itself:
+each edit changes every key, and what the store keeps is compiled anew rather than loaded from
+JAX's cache (`compile_cache.bypassed`). The files live in `programs/` under the compile cache's folder (no
 store when that is off), are written whole (a temporary file renamed) and go, least recently used
 first, past `compile_cache.MAX_BYTES`. Like JAX's cache, the folder is trusted code: loading an
 executable runs what it holds.
@@ -41,6 +43,7 @@ from jinfer.models.family import family_source_files
 log = logging.getLogger(__name__)
 
 SUBFOLDER = "programs"
+KEEP = "JINFER_KEEP_EXECUTABLES"
 SOURCE_SUFFIXES = (".py", ".cc", ".h")
 
 
@@ -96,7 +99,8 @@ class ProgramStore:
         processors, or several processes."""
         cache = jax.config.jax_compilation_cache_dir
         unkept = (
-            "no compile cache folder" if not cache
+            "JINFER_KEEP_EXECUTABLES=0" if os.environ.get(KEEP, "1") == "0"
+            else "no compile cache folder" if not cache
             else "logits processors are registered" if steps.processors
             else "several processes" if jax.process_count() > 1
             else None
@@ -130,10 +134,17 @@ class ProgramStore:
         return compiled
 
     def save(self, program: Program, args, compiled: jax.stages.Compiled) -> None:
-        """Keep `compiled` for `program` over `args` (written whole, then renamed into place)."""
+        """Keep `compiled` for `program` over `args` (written whole, then renamed into place), or
+        say why it cannot be: XLA:CPU serializes no executable with a sort by a custom comparison
+        (jaxlib 0.10: "`LessThan` is not serializable"), so such a program is traced every start."""
         self.folder.mkdir(parents=True, exist_ok=True)
         device_ids = [device.id for device in compiled.runtime_executable().local_devices()]
-        blob = pickle.dumps((serialize(compiled), device_ids))
+        try:
+            serialized = serialize(compiled)
+        except jax.errors.JaxRuntimeError as error:  # XLA's refusal: the program runs, unkept
+            log.info("%s is not kept (%s): the next start traces it", program, error)
+            return
+        blob = pickle.dumps((serialized, device_ids))
         with tempfile.NamedTemporaryFile(dir=self.folder, suffix=".partial", delete=False) as file:
             file.write(blob)
         os.replace(file.name, self.path(program, args))

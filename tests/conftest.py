@@ -27,6 +27,10 @@ if os.environ.get("JINFER_TEST_XLA_CACHE", "on") != "off":
         jax.config.update(_name, _value)
         os.environ[_name.upper()] = str(_value)  # for the servers the tests start
 
+# Executables kept whole (`jinfer.program_store`) are keyed by jinfer's sources and compiled fresh:
+# every edit would recompile the whole suite. The tests of the store turn it on for themselves.
+os.environ.setdefault("JINFER_KEEP_EXECUTABLES", "0")
+
 import tiny  # noqa: E402
 
 

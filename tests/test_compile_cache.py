@@ -51,7 +51,12 @@ def _start_answer_stop(model: str, folder, log_path) -> tuple[str, int, int]:
     return answer, int(programs), int(loaded)
 
 
-def test_a_restarted_server_loads_every_program_and_answers_the_same(tiny_model, tmp_path):
+@pytest.fixture
+def keep_executables(monkeypatch):
+    monkeypatch.setenv(program_store.KEEP, "1")  # off for the rest of the suite (conftest)
+
+
+def test_a_restarted_server_loads_every_program_and_answers_the_same(tiny_model, tmp_path, keep_executables):
     model = tiny_model("llama_gqa_untied")[0]
     folder = tmp_path / "programs"
     first, programs, loaded = _start_answer_stop(model, folder, tmp_path / "first.log")
@@ -88,22 +93,24 @@ import jinfer
 from jinfer.compile_cache import tally
 llm = jinfer.LLM(sys.argv[1], compile_cache=sys.argv[2], max_slots=2, max_seq_len=64,
                  max_num_batched_tokens=64, page_size=16)
+greedy = jinfer.SamplingParams(max_tokens=8, temperature=0)
+if sys.argv[3] == "use-first":  # the steps built by calls (through JAX's cache), then the warm-up
+    llm.generate(["Hello there"], greedy)
 llm.engine.warmup()
 built = tally()
-tokens = llm.generate(["Hello there"], jinfer.SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+tokens = llm.generate(["Hello there"], greedy)[0].token_ids
 print(json.dumps({"tokens": tokens, "programs": built.programs, "loaded": built.loaded}))
 """
 
 
-def _generate_in_a_process(model: str, folder) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", GENERATE, model, str(folder)], capture_output=True, text=True, timeout=600
-    )
+def _generate_in_a_process(model: str, folder, order: str = "warm-first") -> dict:
+    command = [sys.executable, "-c", GENERATE, model, str(folder), order]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_executables_are_kept_whole_even_where_jax_cache_holds_them(tiny_model, tmp_path):
+def test_executables_are_kept_whole_even_where_jax_cache_holds_them(tiny_model, tmp_path, keep_executables):
     """A restart loads each program's executable kept whole (no tracing), and it runs. The second
     process finds every program in JAX's own cache but none kept: what it keeps must still be a
     fresh compile (one JAX loaded from its cache serializes without some of its functions)."""
@@ -118,7 +125,22 @@ def test_executables_are_kept_whole_even_where_jax_cache_holds_them(tiny_model, 
     assert first["tokens"] == again["tokens"] == restarted["tokens"]
 
 
-def test_a_second_engine_of_the_same_layout_traces_nothing(tiny_model, monkeypatch):
+def test_steps_built_before_the_warm_up_are_not_kept(tiny_model, tmp_path, keep_executables):
+    """An engine used before its warm-up has the steps it called built through JAX's cache (the
+    second process loads them from it); the warm-up gets those back from JAX's memory and keeps
+    none of them (they may not serialize whole), only the steps it compiled itself. A later start
+    loads what was kept and runs it, and keeps the rest."""
+    model = tiny_model("llama_gqa_untied")[0]
+    kept = lambda: sorted((tmp_path / program_store.SUBFOLDER).glob("*.executable"))
+    used_first = [_generate_in_a_process(model, tmp_path, "use-first") for _ in range(2)]
+    kept_by_them = len(kept())
+    warmed = _generate_in_a_process(model, tmp_path)
+    restarted = _generate_in_a_process(model, tmp_path)
+    assert kept_by_them < len(kept()) and restarted["loaded"] == restarted["programs"]
+    assert used_first[0]["tokens"] == used_first[1]["tokens"] == warmed["tokens"] == restarted["tokens"]
+
+
+def test_a_second_engine_of_the_same_layout_traces_nothing(tiny_model, monkeypatch, keep_executables):
     options = dict(max_slots=2, max_seq_len=64, max_num_batched_tokens=64, page_size=16)
     model = tiny_model("qwen2_bias_tied")[0]
     first = jinfer.LLM(model, **options)
@@ -137,7 +159,7 @@ def test_a_second_engine_of_the_same_layout_traces_nothing(tiny_model, monkeypat
     ]
 
 
-def test_what_keys_a_kept_executable():
+def test_what_keys_a_kept_executable(keep_executables):
     class Steps:
         model, draft_model, layout, vocab_size, processors = "model", None, "layout", 10, ()
         mesh = "mesh"
