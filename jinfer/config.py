@@ -151,14 +151,19 @@ class EngineConfig:
     generate` flag and a TOML key). What it runs with, resolved against the model and the devices,
     is the engine's `Layout` (jinfer.layout); this stays as asked."""
 
-    max_slots: int = setting(8, "sequences decoded at once (slots; a slot holds no cache of its own)")
+    max_slots: int | None = setting(
+        None,
+        "sequences decoded at once (slots: a row of state each, their K/V in the shared page pool); "
+        "auto: 32 on a CPU (8 per data shard with mesh_data > 1), 256 on an accelerator",
+    )
     max_seq_len: int = setting(
         2048, "the longest one sequence may grow, prompt + output (capped at the model's context)"
     )
     kv_cache_tokens: int | None = setting(
         None,
-        "positions the shared KV page pool holds, rounded up to whole pages; auto: max_slots x "
-        "max_seq_len on a CPU, memory_fraction of free memory on an accelerator (at least max_seq_len)",
+        "positions the shared KV page pool holds, rounded up to whole pages; auto: max_seq_len x "
+        "max_slots, at most 8, on a CPU, memory_fraction of free memory on an accelerator (at least "
+        "max_seq_len)",
     )
     page_size: int | None = setting(
         None, "positions per KV page (a power of two, 8 to 512); auto: 64 on a CPU, 16 on an accelerator"
@@ -238,13 +243,16 @@ class EngineConfig:
     )
 
     def __post_init__(self):
+        for name in ("max_slots", "kv_cache_tokens", "page_size", "packed_weights"):  # auto: None
+            if isinstance(getattr(self, name), str) and getattr(self, name).lower() == "auto":
+                object.__setattr__(self, name, None)
         positive = ("max_slots", "max_seq_len", "max_queue", "max_num_batched_tokens", "decode_steps")
         positive += ("num_draft_tokens",)
         for name in positive:
+            if name == "max_slots" and self.max_slots is None:  # auto
+                continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if isinstance(self.packed_weights, str) and self.packed_weights.lower() == "auto":
-            object.__setattr__(self, "packed_weights", None)
         if self.kv_cache_tokens is not None and (
             not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1
         ):
@@ -269,7 +277,7 @@ class EngineConfig:
                 "drafts with speculative=draft, and speculative=draft needs one"
             )
         self._check_process_settings()
-        if self.max_slots % self.mesh_data:
+        if self.max_slots is not None and self.max_slots % self.mesh_data:
             raise ValueError(f"max_slots={self.max_slots} must be a multiple of mesh_data={self.mesh_data}")
 
     def _check_process_settings(self):

@@ -2,9 +2,14 @@
 model, the devices and the memory into one `Layout`, which the steps, the scheduler and the
 start-up log all read. The per-platform choices live here and nowhere else:
 
-    KV page pool       kv_cache_tokens in whole pages; auto: max_slots x max_seq_len on a CPU (the
-                       memory a slot-per-sequence cache took), memory_fraction of free memory on
-                       an accelerator; a pool that cannot fit is refused with one that would
+    slots              max_slots; auto: 32 on a CPU (the widest decode step the few-column
+                       kernels multiply exactly), 8 per data shard when a data axis runs every
+                       slot each step, 256 on an accelerator: a slot is a row of state, its
+                       sequence's K/V live in the shared pool
+    KV page pool       kv_cache_tokens in whole pages; auto: max_seq_len x the slots, at most 8,
+                       on a CPU (a modest default that 8 full-length sequences fill; shorter ones
+                       share it), memory_fraction of free memory on an accelerator; a pool that
+                       cannot fit is refused with one that would
     page size          auto: 64 positions on a CPU (the attention kernel reads pages of 64 as
                        fast as whole rows; 16 cost it ~15%), 16 on an accelerator (JAX's and
                        vLLM's default, not yet measured on one here)
@@ -39,6 +44,20 @@ def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
 # Columns a verify step may give each product: the few-column kernels' (past them XLA's dot would
 # take over, whose sums differ from the kernels' in the last bits: no longer exact).
 SPECULATIVE_COLUMNS = cpu_matmul.MAX_COLUMNS
+
+CPU_SLOTS = cpu_matmul.MAX_COLUMNS  # max_slots auto (see the module docstring)
+SLOTS_PER_DATA_SHARD = 8
+ACCELERATOR_SLOTS = 256
+CPU_POOL_SEQUENCES = 8  # kv_cache_tokens auto on a CPU: full-length sequences, at most
+
+
+def resolve_slots(config: EngineConfig, backend: str) -> int:
+    """max_slots, "auto" (None) resolved (see the module docstring)."""
+    if config.max_slots is not None:
+        return config.max_slots
+    if backend != "cpu":
+        return ACCELERATOR_SLOTS
+    return CPU_SLOTS if config.mesh_data == 1 else SLOTS_PER_DATA_SHARD * config.mesh_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +134,14 @@ class Layout:
     def slot_buckets(self) -> tuple[int, ...]:
         """Decode runs over the first `bucket` slots: the smallest that holds every busy slot.
 
-        Powers of four below max_slots, then max_slots (few compiled variants, and a single user
-        does not pay for eight). With slots split over a data axis, always all of them: a prefix
-        of a sharded axis would not be evenly spread over the devices.
+        1, then powers of two from 4 below max_slots, then max_slots (a single user does not pay
+        for four, nor five users for 32; one compiled variant each). With slots split over a data
+        axis, always all of them: a prefix of a sharded axis would not be evenly spread over the
+        devices.
         """
         if self.mesh_data > 1:
             return (self.max_slots,)
-        return _geometric_buckets(1, 4, self.max_slots)
+        return (1, *_geometric_buckets(4, 2, self.max_slots)) if self.max_slots > 1 else (1,)
 
     def slot_bucket(self, busy: int) -> int:
         """The decode rows for `busy` = the highest busy slot + 1."""
@@ -209,7 +229,7 @@ def _pool_pages(config: EngineConfig, max_seq_len: int, allowed_bytes: float, pe
     whole = lambda pages: pages + -(pages + 1) % shards + 1  # + the sink, up to the shards
     if config.kv_cache_tokens is not None:
         return whole(-(-config.kv_cache_tokens // page))
-    wanted = -(-config.max_slots * max_seq_len // page)
+    wanted = -(-min(config.max_slots, CPU_POOL_SEQUENCES) * max_seq_len // page)
     if per_token and jax.default_backend() != "cpu":
         wanted = int(allowed_bytes // (per_token * page))
     if per_token:  # sizes given: never past what fits (less the sink, down to the shards)
@@ -239,8 +259,9 @@ def resolve_layout(
     does not fit is refused (ValueError) with the kv_cache_tokens that would. With a `draft` model
     (`jinfer.draft`), cache_bytes_per_token and weight_bytes are both models'."""
     max_seq_len = min(config.max_seq_len, model.max_position_embeddings)
-    if config.page_size is None:
-        config = dataclasses.replace(config, page_size=default_page_size(jax.default_backend()))
+    backend = jax.default_backend()  # the auto settings, resolved:
+    page_size = config.page_size or default_page_size(backend)
+    config = dataclasses.replace(config, page_size=page_size, max_slots=resolve_slots(config, backend))
     page, per_token = config.page_size, cache_bytes_per_token
     allowed = config.memory_fraction * available_bytes
     pool_bytes = lambda pages: pages * page * per_token

@@ -45,6 +45,10 @@ def on_off_auto(text: str) -> bool | None:
     return None if str(text).lower() == "auto" else on_off(text)
 
 
+def int_or_auto(text: str) -> int | None:
+    return None if str(text).lower() == "auto" else int(text)
+
+
 def int_tuple(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -61,6 +65,8 @@ def _parser_for(hint) -> Any:
     base = inner[0] if len(inner) == 1 else hint
     if base is bool:
         return on_off_auto if optional else on_off
+    if base is int and optional:
+        return int_or_auto
     if base in (int, float, str):
         return base
     raise TypeError(f"no flag parser for {hint!r}")

@@ -189,7 +189,7 @@ def test_the_page_pool_is_sized_in_whole_pages_and_caps_the_sequence_length():
         )
 
     auto = layout(max_slots=4, max_seq_len=1000, page_size=16)
-    # A CPU's auto pool: max_slots x max_seq_len positions in whole pages, plus the sink page.
+    # A CPU's auto pool: max_seq_len x max_slots (at most 8) positions in whole pages, plus the sink.
     assert (auto.num_pages, auto.kv_cache_tokens, auto.max_pages) == (251, 4000, 63)
     asked = layout(max_slots=64, max_seq_len=1024, kv_cache_tokens=3000, page_size=32)
     assert (asked.kv_cache_tokens, asked.max_slots, asked.max_seq_len) == (3008, 64, 1024)
@@ -200,3 +200,28 @@ def test_the_page_pool_is_sized_in_whole_pages_and_caps_the_sequence_length():
     assert "KV pool 250 pages x 16 positions = 4000 tokens" in auto.describe_pool(per_token)
     with pytest.raises(ValueError, match="page_size must be a power of two"):
         EngineConfig(page_size=24)
+
+
+def test_slots_follow_the_hardware_and_share_a_pool_sized_apart_from_them():
+    from jinfer.config import EngineConfig
+    from jinfer.layout import ACCELERATOR_SLOTS, CPU_SLOTS, resolve_layout, resolve_slots
+    from jinfer.options import int_or_auto
+
+    model = ModelConfig("llama", 320, 64, 128, 2, 4, 2, 16)
+
+    def layout(**options):
+        config = EngineConfig(packed_weights=False, page_size=16, **options)
+        sizes = {"cache_bytes_per_token": 64, "weight_bytes": 0, "available_bytes": 2**30}
+        return resolve_layout(config, model, 1, **sizes)
+
+    auto = layout(max_seq_len=1000)
+    # 32 slots (the few-column kernels' widest decode step), their pool what 8 full sequences fill.
+    assert (auto.max_slots, auto.kv_cache_tokens) == (CPU_SLOTS, 8000) and CPU_SLOTS == 32
+    assert auto.slot_buckets == (1, 4, 8, 16, 32)
+    assert layout(max_slots="auto", max_seq_len=1000) == auto  # as a TOML file may say it
+    assert layout(max_slots=8, max_seq_len=1000).slot_buckets == (1, 4, 8)
+    assert layout(max_slots=2, max_seq_len=1000).kv_cache_tokens == 2000
+    assert layout(max_slots=1, max_seq_len=1000).slot_buckets == (1,)
+    assert layout(max_seq_len=1000, mesh_data=2).max_slots == 16  # every slot runs: 8 per shard
+    assert resolve_slots(EngineConfig(), "gpu") == ACCELERATOR_SLOTS
+    assert int_or_auto("auto") is None and int_or_auto("12") == 12

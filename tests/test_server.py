@@ -529,6 +529,42 @@ def test_websocket_two_way_streaming(server):
         ws_client.connect(server.replace("http", "ws") + "/v1/ws")
 
 
+def test_a_crowd_fills_every_slot_at_once_from_a_pool_of_four_sequences(tiny_model):
+    """32 requests sent at once to 32 slots whose pool holds 4 full-length sequences: all run at
+    once (a slot costs a row of state; their short sequences share the pool), each answer the
+    one it gets alone."""
+    options = ["--max-slots", "32", "--max-seq-len", "512", "--kv-cache-tokens", "2048"]
+    options += ["--page-size", "16", "--max-num-batched-tokens", "512", "--decode-steps", "1"]
+    bodies = [
+        {"prompt": f"Member {i} of the crowd says", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        for i in range(32)
+    ]
+    with running_server(tiny_model("llama_gqa_untied")[0], *options) as (base, _):
+        peak, done = [0.0], threading.Event()
+
+        def watch():
+            while not done.is_set():
+                peak[0] = max(peak[0], _metric(base, "jinfer_requests_running"))
+                time.sleep(0.01)
+
+        async def crowd():
+            async with httpx.AsyncClient(timeout=120) as http:
+                answers = await asyncio.gather(*(http.post(base + "/v1/completions", json=b) for b in bodies))
+            return [a.json()["choices"][0]["text"] for a in answers]
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            together = asyncio.run(crowd())
+        finally:
+            done.set()
+            watcher.join()
+        solo = lambda body: httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        alone = [solo(body)["choices"][0]["text"] for body in bodies]
+    assert peak[0] == 32
+    assert together == alone
+
+
 # ------------------------------------------------------------------------------- lifecycle
 def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_model, tmp_path):
     # A long window so one request outlasts the 3 s drain while a short one finishes inside it
