@@ -156,14 +156,15 @@ class Device:
     def _compile_programs(self, idle: dict[Program, tuple[RowInputs, PackedChunk | None]]) -> None:
         """Build every program's executable for its `idle` inputs and chunk before its first call:
         the one kept whole from an earlier start (`jinfer.program_store`) where there is one, else
-        traced (Python's work, one at a time), compiled on every core at once and kept (with no
-        store, JAX's compile cache may load them instead: `bypassed` says why not
-        otherwise). Calls with the same arguments' shapes run it."""
+        traced (Python's work, one at a time), compiled on every core at once and kept (JAX's
+        compile cache may serve them only where nothing is kept: `bypassed` says why). Calls with
+        the same arguments' shapes run it."""
         store = ProgramStore.for_steps(self.steps)
         args = {program: self._program_args(program, *idle[program]) for program in idle}
         with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
             if store is not None:
-                kept = pool.map(lambda p: (p, self._load_kept(store, p, args[p])), idle)
+                unbuilt = [program for program in idle if program not in self.executables]
+                kept = pool.map(lambda p: (p, self._load_kept(store, p, args[p])), unbuilt)
                 self.executables.update((p, built) for p, built in kept if built is not None)
             missing = [program for program in idle if program not in self.executables]
             lowered = [self.steps.programs[program].lower(*args[program]) for program in missing]

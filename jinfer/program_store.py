@@ -1,7 +1,8 @@
-"""Programs kept whole: the warm-up's executables saved beside the compile cache, so the next start
-of the same engine loads them without tracing its Python again. JAX's own cache (`jinfer.compile_cache`)
-is keyed by a program's HLO, which only tracing gives: on the embedded model tracing the 30-layer
-programs costs more than loading every executable, and a restart within seconds needs it gone.
+"""Programs kept whole: the warm-up's executables saved beside the compile cache, so the next
+start of the same engine loads them without tracing its Python again. JAX's own cache
+(`jinfer.compile_cache`) is keyed by a program's HLO, which only tracing gives: on the embedded
+model tracing the 30-layer programs costs more than loading every executable, and a restart
+within seconds needs it gone.
 
     ProgramStore.for_steps(steps) -> ProgramStore | None
     store.load(program, args) -> jax.stages.Compiled | None
@@ -12,11 +13,12 @@ package, and the family modules $JINFER_FAMILIES adds), jax's and jaxlib's versi
 instruction set, the kernels' build flags, XLA's flags, the devices, the model's configuration, the
 layout, the mesh, the program, and its arguments' structure, shapes, dtypes and shardings. Where
 the key cannot see everything, there is no store: logits processors (user code the key does not
-read) and several processes; and with $JINFER_KEEP_EXECUTABLES=0, for those who edit jinfer itself:
-each edit changes every key, and what the store keeps is compiled anew rather than loaded from
-JAX's cache (`compile_cache.bypassed`). The files live in `programs/` under the compile cache's folder (no
-store when that is off), are written whole (a temporary file renamed) and go, least recently used
-first, past `compile_cache.MAX_BYTES`. Like JAX's cache, the folder is trusted code: loading an
+read) and several processes; and with $JINFER_KEEP_EXECUTABLES=0, for those who edit jinfer
+itself: each edit changes every key, and what the store keeps is compiled anew rather than loaded
+from JAX's cache (`compile_cache.bypassed`), and only if this process had not built it before
+(`compile_cache.compile_fresh`). The files live in `programs/` under the compile cache's folder
+(no store when that is off), are written whole (a temporary file renamed) and go, least recently
+used first, past `compile_cache.MAX_BYTES`. Like JAX's cache, the folder is trusted code: loading an
 executable runs what it holds.
 """
 
