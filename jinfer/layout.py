@@ -238,6 +238,13 @@ def _pool_pages(config: EngineConfig, max_seq_len: int, allowed_bytes: float, pe
     return whole(max(wanted, -(-max_seq_len // page)))
 
 
+def _with_sizes_resolved(config: EngineConfig) -> EngineConfig:
+    """`config` with page_size and max_slots "auto" resolved for this platform."""
+    backend = jax.default_backend()
+    page_size = config.page_size or default_page_size(backend)
+    return dataclasses.replace(config, page_size=page_size, max_slots=resolve_slots(config, backend))
+
+
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -259,9 +266,7 @@ def resolve_layout(
     does not fit is refused (ValueError) with the kv_cache_tokens that would. With a `draft` model
     (`jinfer.draft`), cache_bytes_per_token and weight_bytes are both models'."""
     max_seq_len = min(config.max_seq_len, model.max_position_embeddings)
-    backend = jax.default_backend()  # the auto settings, resolved:
-    page_size = config.page_size or default_page_size(backend)
-    config = dataclasses.replace(config, page_size=page_size, max_slots=resolve_slots(config, backend))
+    config = _with_sizes_resolved(config)
     page, per_token = config.page_size, cache_bytes_per_token
     allowed = config.memory_fraction * available_bytes
     pool_bytes = lambda pages: pages * page * per_token
