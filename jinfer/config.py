@@ -139,9 +139,10 @@ COLUMN_TILE = 8
 
 # Prompt tokens go to the device in pieces of this many (`jinfer.state.PrefillChunk`): a dispatch
 # carries whole pieces of as many requests' prompts as fit the iteration's token budget. Its
-# products then always have a multiple of 64 columns, where XLA:CPU's GEMM gave a column the same
-# bits whatever its neighbours on the AVX-512 EPYC measured (at other counts its tiling changed a
-# column's sums), so a prompt token's K/V do not depend on what else its dispatch carried.
+# products then always have a multiple of 64 columns. jinfer's CPU kernels give a column the same
+# bits at any count; where XLA's GEMM multiplies (packed weights off), it did at multiples of 64 on
+# the AVX-512 EPYC measured (at other counts its tiling changed a column's sums), so a prompt
+# token's K/V do not depend on what else its dispatch carried.
 PROMPT_PIECE = 64
 
 

@@ -2,8 +2,8 @@
 model, the devices and the memory into one `Layout`, which the steps, the scheduler and the
 start-up log all read. The per-platform choices live here and nowhere else:
 
-    slots              max_slots; auto: 32 on a CPU (the widest decode step the few-column
-                       kernels multiply exactly), 8 per data shard when a data axis runs every
+    slots              max_slots; auto: 32 on a CPU (the widest decode step that streams the
+                       weights once, `cpu_matmul.MAX_COLUMNS`), 8 per data shard when a data axis runs every
                        slot each step, 256 on an accelerator: a slot is a row of state, its
                        sequence's K/V live in the shared pool
     KV page pool       kv_cache_tokens in whole pages; auto: max_seq_len x the slots, at most 8,
@@ -41,8 +41,8 @@ def _geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
     return (*sizes, last)
 
 
-# Columns a verify step may give each product: the few-column kernels' (past them XLA's dot would
-# take over, whose sums differ from the kernels' in the last bits: no longer exact).
+# Columns a verify step may give each product: those whose weights stream from memory once (wider,
+# the weights' reads are shared enough without drafts).
 SPECULATIVE_COLUMNS = cpu_matmul.MAX_COLUMNS
 
 CPU_SLOTS = cpu_matmul.MAX_COLUMNS  # max_slots auto (see the module docstring)
@@ -75,7 +75,7 @@ class Layout:
     mesh_data: int
     mesh_model: int
     context_policy: str
-    attention_kernel: str | None  # "cpu" / "gpu": decode attends with that kernel; None: XLA's einsums
+    attention_kernel: str | None  # "cpu" / "gpu": the steps attend with that kernel; None: XLA's einsums
     packed_weights: bool  # products of up to cpu_matmul.MAX_COLUMNS columns by the packed kernel
     quantized_weights: bool  # quantized matrices kept, multiplied by the quantized kernel
     page_size: int
@@ -91,7 +91,7 @@ class Layout:
     def verify_variants(self) -> tuple[tuple[int, int], ...]:
         """(slot bucket, draft tokens) pairs compiled as verify steps: draft lengths of powers of
         two up to `draft_tokens` (and it), where rows x (draft tokens + 1) columns stay within
-        what the few-column kernels take (`SPECULATIVE_COLUMNS`); a bigger batch reads the
+        what one stream of the weights serves (`SPECULATIVE_COLUMNS`); a bigger batch reads the
         weights for enough columns already."""
         if not self.draft_tokens:
             return ()
@@ -182,8 +182,9 @@ class Layout:
 def attention_kernel(
     config: EngineConfig, models: tuple[ModelConfig, ...], max_pages: int, devices: int
 ) -> str | None:
-    """Which kernel decode attends with, when `config.decode_kernel` asks for one and the mesh is a
-    single device (neither kernel has a sharding rule): "gpu": the Pallas paged kernel, for 16-bit
+    """Which kernel the steps attend with (prompt pieces too; the "gpu" one takes one-token groups
+    only), when `config.decode_kernel` asks for one and the mesh is a single device (neither kernel
+    has a sharding rule): "gpu": the Pallas paged kernel, for 16-bit
     caches (its float32 products would round to TF32) with block tables it can split; "cpu": the
     C++ kernel, for float32 caches and a head_dim of whole 8-lane vectors (in every model: the
     target, a draft), once it is built. None: XLA's einsums."""

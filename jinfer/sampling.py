@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jinfer.numerics import log_softmax
 from jinfer.options import setting
 
 
@@ -339,7 +340,7 @@ def token_logprobs(
 
     Computed from the model's raw distribution (before sampling transforms), as OpenAI reports them.
     """
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = log_softmax(logits)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(logp, top_n)
     return chosen, top_values, top_ids.astype(jnp.int32)

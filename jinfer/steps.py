@@ -179,12 +179,15 @@ def _prefill(
     vocab,
     draft_cfg,
     processors,
+    attention_kernel=None,
 ):
     """Prompt pieces into their slots (a row of `inputs` per piece); the token after each piece
     sampled under its slot's allowed set. The last tokens' logits are one product of P columns,
     skipped when no piece ends a prompt."""
     chunk = packed.unpack()
-    (hidden,), cache = run_model(params, (_chunk_group(chunk),), cfg, cache, tables, draft_cfg=draft_cfg)
+    group = _chunk_group(chunk)
+    attention = {"attention_kernel": attention_kernel}
+    (hidden,), cache = run_model(params, (group,), cfg, cache, tables, draft_cfg=draft_cfg, **attention)
     pieces = chunk.slot.shape[0]
     logits = jax.lax.cond(
         jnp.any(chunk.last),
@@ -331,7 +334,7 @@ def _program_function(key: Program, layout: Layout, model_options: dict) -> Call
     if key.kind == "sample":
         return partial(_sample, processors=model_options["processors"])
     if key.kind == "prefill":
-        return partial(_prefill, **model_options)
+        return partial(_prefill, attention_kernel=layout.attention_kernel, **model_options)
     options = {"attn_len": key.attn_len, "attention_kernel": layout.attention_kernel, **model_options}
     steps = layout.decode_steps
     if key.kind == "verify":

@@ -32,7 +32,7 @@ from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.state import pack_piece, pack_pieces
 from jinfer.steps import prefill_program
 
-SLOTS = 16
+SLOTS = 32
 SEQ = 1024
 
 
@@ -81,6 +81,7 @@ def main() -> int:
     llm = jinfer.LLM(
         max_slots=SLOTS,
         max_seq_len=SEQ,
+        kv_cache_tokens=SLOTS * SEQ,  # contiguous tables: every slot a whole sequence
         max_num_batched_tokens=SLOTS * PROMPT_PIECE,
         decode_steps=1,
         quantization=args.quantization,

@@ -13,9 +13,12 @@ import pytest
 from jinfer.kernels import cpu_matmul
 
 # Rows not a multiple of the block (zero padding cut off), odd widths, every column count of one
-# pass (1-16, with two blocks up to 12), and two passes (19).
+# pass (1-16, with two blocks up to 12), and two passes (19); prompts' widths (33 on: packed
+# panels, tasks over groups of blocks and spans of columns, a short last pass), one with a group
+# of blocks left over (1000 rows) and one with many groups (3000).
 CASES = [(64, 64, 1), (61, 37, 2), (128, 96, 3), (200, 64, 4), (8, 5, 5), (1000, 129, 7), (64, 64, 8)]
 CASES += [(200, 70, 12), (33, 40, 13), (77, 50, 16), (77, 50, 19)]
+CASES += [(200, 70, 33), (1000, 129, 100), (3000, 576, 256), (61, 1536, 65)]
 
 
 def _assert_packed_product_matches(rows, width, columns):
@@ -32,13 +35,14 @@ def _assert_packed_product_matches(rows, width, columns):
 
 
 def _assert_columns_independent(rows=300, width=70):
-    """Each column's products are the same bits whatever the column count (1-32: every tiling)."""
+    """Each column's products are the same bits whatever the column count: 1-32 (every tiling of
+    a decode step) and prompts' widths (packed panels, spans of columns)."""
     rng = np.random.default_rng(5)
     packed = cpu_matmul.pack(jnp.asarray(rng.standard_normal((rows, width), dtype=np.float32)))
-    x = rng.standard_normal((width, 32), dtype=np.float32)
+    x = rng.standard_normal((width, 200), dtype=np.float32)
     product = jax.jit(cpu_matmul.matmul, static_argnums=2)
     widest = np.asarray(product(packed, jnp.asarray(x), rows))
-    for columns in range(1, 32):
+    for columns in [*range(1, 34), 47, 64, 130, 199]:
         np.testing.assert_array_equal(
             np.asarray(product(packed, jnp.asarray(x[:, :columns]), rows)), widest[:, :columns]
         )

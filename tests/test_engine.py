@@ -89,6 +89,32 @@ def test_batch_invariance_in_every_slot(llm, sampling):
         assert results[slot].token_ids == alone.token_ids, slot
 
 
+@pytest.mark.parametrize("slots", [32, 64])
+def test_log_probs_are_batch_invariant_in_the_widest_decode_steps(tiny_model, slots):
+    """A request's log-probs are the same bits alone and beside a crowd filling every row of the
+    decode step (32, or 64: past 32 the packed kernel multiplies from cached panels); compared
+    exactly, since a greedy token alone would hide a difference in the last bits."""
+    llm = jinfer.LLM(
+        tiny_model("llama_gqa_untied")[0],
+        max_slots=slots,
+        max_seq_len=128,
+        kv_cache_tokens=slots * 128,
+        packed_weights=True,
+    )
+    assert llm.engine.layout.packed_weights and llm.engine.layout.slot_buckets[-1] == slots
+    target = _prompt(7, 21)
+    sampling = dataclasses.replace(GREEDY, logprobs=3)
+    (alone,) = llm.generate([target], sampling)
+    neighbours = [_cotenant(500 + i) for i in range(slots - 9)]
+    prompts = [target] + [p for p, _ in neighbours]
+    samplings = [sampling] + [dataclasses.replace(s, max_tokens=24) for _, s in neighbours]
+    dispatched, dispatch = [], llm.engine.device.dispatch
+    llm.engine.device.dispatch = lambda program, *args: dispatched.append(program) or dispatch(program, *args)
+    results = llm.generate(prompts, samplings)
+    assert max(p.rows for p in dispatched if p.kind == "decode") == slots  # every row of the widest
+    assert results[0].token_ids == alone.token_ids and results[0].logprobs == alone.logprobs
+
+
 @pytest.mark.parametrize("budget", [64, 256], ids=["one-piece", "four-pieces"])
 def test_no_recompiles_after_warmup(tiny_model, budget):
     llm = jinfer.LLM(

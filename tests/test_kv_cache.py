@@ -235,15 +235,15 @@ def test_cpu_attention_kernel_that_cannot_be_built_leaves_xla_attention(
 
     import jinfer
 
-    monkeypatch.setenv("JINFER_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
-    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    with caplog.at_level(logging.WARNING, logger="jinfer.kernels.cpu_attention"):
-        assert cpu_attention.available.__wrapped__() is False
+    with monkeypatch.context() as scope:  # (the other kernels, built later, see the real compiler)
+        scope.setenv("JINFER_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
+        scope.setenv("CXX", "false")  # a compiler that always fails
+        with caplog.at_level(logging.WARNING, logger="jinfer.kernels.cpu_attention"):
+            assert cpu_attention.available.__wrapped__() is False
     assert "CPU attention kernel unavailable" in caplog.text
     assert "non-zero exit status" in caplog.text
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
-    # (Packed weights off: with CXX failing, their kernel's first build would fail for the process.)
-    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=256, packed_weights=False)
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_slots=2, max_seq_len=256)
     assert llm.engine.steps.attention_buckets == (64, 128, 256)
     out = llm.generate(["hello"], jinfer.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4

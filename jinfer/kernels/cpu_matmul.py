@@ -1,11 +1,14 @@
-"""The CPU few-column matmul kernel (`cpu_matmul.cc`) and the packed weight layout it reads.
+"""The CPU packed-weight matmul kernel (`cpu_matmul.cc`) and the weight layout it reads.
 
 A decode step multiplies every weight matrix by one column per busy slot, where XLA:CPU's GEMM runs
 far below the memory bandwidth. The kernel reads a matrix packed as [ceil(out / R), in, R] (`pack`;
 R = `block_rows()`, the floats of one vector register: 16 with AVX-512, 8 otherwise) and streams it
-once for up to `MAX_COLUMNS` columns. The engine keeps such a packed copy next to
-each matrix when asked to (`EngineConfig.packed_weights`, see `models.params.PackedWeight`); prompts keep
-XLA's dot on the matrix, which multiplies hundreds of columns about twice as fast as this kernel.
+once for up to `MAX_COLUMNS` columns; a prompt's hundreds of columns it multiplies from cache, in
+panels (as fast as XLA's GEMM on SmolLM2's matrices, which repacks the weights on every call).
+Every product is one running sum over the input index in order, so a column's bits never depend
+on how many columns share the call: a prompt token's products are a decode token's. The engine
+keeps such a packed copy next to each matrix when asked to (`EngineConfig.packed_weights`, see
+`models.params.PackedWeight`).
 
 `available()` builds and registers it (see `jinfer.kernels`); if it cannot, it says why in a
 warning and the engine multiplies with XLA's dot.
@@ -25,9 +28,10 @@ from jinfer.kernels import register_cpu_kernel
 log = logging.getLogger(__name__)
 
 TARGET = "jinfer_cpu_matmul"
-# The kernel's products beat XLA's up to 32 columns: SmolLM2's decode step, in alternating runs,
-# at 8 slots 29-35 against 41-48 ms, 16 slots 44-47 against 55-73, 32 slots 91 against 102-114,
-# level at 1 slot; for prompts' hundreds of columns XLA's GEMM is the faster.
+# The widest product that streams the weights from memory once for all its columns (a decode
+# step's): SmolLM2's decode step, in alternating runs against XLA's dot, at 8 slots 29-35 against
+# 41-48 ms, 16 slots 44-47 against 55-73, 32 slots 91 against 102-114, level at 1 slot. Wider
+# products (prompts) take the kernel's cached panels.
 MAX_COLUMNS = 4 * COLUMN_TILE
 
 

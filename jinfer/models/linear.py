@@ -5,8 +5,8 @@
 
 A float array is one matrix product by XLA's dot (the leading output dims merged: they are
 contiguous, so no reshape crosses a sharded axis). Every other holding registers its own product
-(`functools.singledispatch`): a `PackedWeight` (jinfer's few-column kernel up to `MAX_COLUMNS`
-columns, XLA's dot past them), quantized blocks and stacks of them (`models.quantized`). A family's
+(`functools.singledispatch`): a `PackedWeight` (jinfer's packed-weight kernel, any column count),
+quantized blocks and stacks of them (`models.quantized`). A family's
 layers call `project` and never ask how a weight is held; a new holding (an adapted weight) is one
 more registration here.
 """
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jinfer.kernels import cpu_matmul
 from jinfer.models import quantized
 from jinfer.models.attention import full_precision
-from jinfer.models.params import PackedWeight, matrix
+from jinfer.models.params import PackedWeight
 
 
 @functools.singledispatch
@@ -35,17 +35,14 @@ def project(w, x: jax.Array, input_dims: int = 1) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def packed_product(w: PackedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.Array | None:
-    """w's packed copy times columns x [in, N] -> [out..., N], or None past the kernel's columns."""
-    if x.shape[1] > cpu_matmul.MAX_COLUMNS:
-        return None
+def packed_product(w: PackedWeight, x: jax.Array, out_dims: tuple[int, ...]) -> jax.Array:
+    """w's packed copy times columns x [in, N] -> [out..., N]: each column the same bits at any N."""
     return cpu_matmul.matmul(w.packed, x, math.prod(out_dims)).reshape(*out_dims, x.shape[1])
 
 
 @project.register
 def _packed(w: PackedWeight, x: jax.Array, input_dims: int = 1) -> jax.Array:
-    out = packed_product(w, x, w.matrix.shape[:-input_dims])
-    return project(matrix(w), x, input_dims) if out is None else out
+    return packed_product(w, x, w.matrix.shape[:-input_dims])
 
 
 @project.register(quantized.QuantizedWeight)

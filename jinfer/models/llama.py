@@ -65,6 +65,7 @@ from jinfer.models.params import (
     unpacked,
 )
 from jinfer.models.rope import apply_rope, rope_cos_sin
+from jinfer.numerics import fixed_order_sum
 
 __all__ = [
     "FAMILY",
@@ -85,25 +86,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------- blocks
-def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
-    """The sum of x over `axis` (kept, of size 1) as a pairwise tree of elementwise adds over the
-    axis zero-padded to a power of two: the same order, so the same bits, for a column whatever
-    else the array holds. (XLA's reductions pick their order from the whole shape: on a CPU, an
-    RMSNorm over SmolLM2's 576 features gave a column other bits beside 7 others than alone.)"""
-    axis %= x.ndim
-    size = x.shape[axis]
-    width = 1 << (size - 1).bit_length()
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, width - size)
-    x = jnp.pad(x, pad)
-    while width > 1:
-        width //= 2
-        x = jax.lax.slice_in_dim(x, 0, width, axis=axis) + jax.lax.slice_in_dim(
-            x, width, 2 * width, axis=axis
-        )
-    return x
-
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0, divide: bool = False) -> jax.Array:
     """RMSNorm of x over `axis` (features; axis 0 for decoder columns [D, N]), scaled by weight.
     Each column's bits do not depend on the other columns: the sum has a fixed order
@@ -289,9 +271,9 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
         out = quantized.project(weight, columns.astype(jnp.float32), (weight.shape[0],))
         return out.T.reshape(*hidden.shape[:-1], weight.shape[0])
     vocab = matrix(weight).shape[0]
-    out = packed_product(weight, columns, (vocab,)) if isinstance(weight, PackedWeight) else None
-    if out is None:
-        weight = matrix(weight)
+    if isinstance(weight, PackedWeight):
+        out = packed_product(weight, columns, (vocab,))
+    else:
         out = jnp.dot(
             weight, columns, precision=full_precision(weight.dtype), preferred_element_type=jnp.float32
         )

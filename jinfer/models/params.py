@@ -84,9 +84,9 @@ def _random_leaf(key: jax.Array, shape: tuple[int, ...], init: str, dtype, scale
 
 @struct.dataclass
 class PackedWeight:
-    """A weight matrix [out..., in...] with a second copy packed for the CPU few-column kernel
-    (`jinfer.kernels.cpu_matmul`): products of up to `cpu_matmul.MAX_COLUMNS` columns (decode steps)
-    read `packed`, longer ones (prompts) `matrix` with XLA's dot, which is faster there."""
+    """A weight matrix [out..., in...] with a second copy packed for the CPU packed-weight kernel
+    (`jinfer.kernels.cpu_matmul`): every product reads `packed` (decode steps and prompts alike, so
+    a column's bits never depend on the others); `matrix` is what unpacking gives back."""
 
     matrix: jax.Array
     packed: jax.Array  # [ceil(out / R), in, R] (R = cpu_matmul.block_rows()), out and in flattened
