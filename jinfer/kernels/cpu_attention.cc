@@ -1,5 +1,5 @@
-// Attention of a few query tokens per sequence over that sequence's filled keys in the paged KV
-// cache, for XLA:CPU.
+// Attention of query tokens (one when decoding, a few when verifying, a prompt piece when
+// prefilling) per sequence over that sequence's filled keys in the paged KV cache, for XLA:CPU.
 //
 // A decode step on a CPU spent most of its time, at long contexts, on attention: XLA's einsums
 // read a fixed bucket of each row (gathering it out of the cache first) through small batched
@@ -40,6 +40,7 @@ namespace {
 using jinfer::f8;
 using jinfer::i8;
 using jinfer::Load;
+using jinfer::MulAdd;
 using jinfer::Splat;
 using jinfer::Store;
 using jinfer::Sum;
@@ -111,40 +112,121 @@ inline f8 Sums8(const f8* a) {
   return __builtin_shufflevector(d, d, 0, 4, 2, 6, 1, 5, 3, 7);
 }
 
-// scores[j] = scale * q . keys[j] for j in [0, n): 8 keys at a time, then one by one.
-inline void Scores(const float* q, const float* keys, int64_t n, int64_t H, float scale,
-                   float* scores) {
+// Query heads that share a position (one kv head's group) go through a block of keys together, so
+// that each key and value row loaded serves all of them: AVX-512's 32 registers hold three
+// queries' sums (24) beside the row and the three queries; AVX2's 16 hold one query's.
+#ifdef __AVX512F__
+constexpr int kQueriesTogether = 3;
+#else
+constexpr int kQueriesTogether = 1;
+#endif
+
+// scores[a][j] = scale * q[a] . keys[j] for j in [0, n) and each of the NQ queries: 8 keys at a
+// time, then one by one. Each query's sums are the same chain of multiply-adds whatever NQ is.
+template <int NQ>
+inline void Scores(const float* const* q, const float* keys, int64_t n, int64_t H, float scale,
+                   float* const* scores) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    f8 dots[8] = {};
+    f8 dots[NQ][8] = {};
     for (int64_t v = 0; v < H; v += 8) {
-      const f8 qv = Load(q + v);
+      f8 qv[NQ];
+      for (int a = 0; a < NQ; ++a) qv[a] = Load(q[a] + v);
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) dots[i] += qv * Load(keys + (j + i) * H + v);
+      for (int i = 0; i < 8; ++i) {
+        const f8 key = Load(keys + (j + i) * H + v);
+        for (int a = 0; a < NQ; ++a) dots[a][i] = MulAdd(qv[a], key, dots[a][i]);
+      }
     }
-    Store(scores + j, Sums8(dots) * scale);
+    for (int a = 0; a < NQ; ++a) Store(scores[a] + j, Sums8(dots[a]) * scale);
   }
   for (; j < n; ++j) {
-    f8 dot = Splat(0.0f);
-    for (int64_t v = 0; v < H; v += 8) dot += Load(q + v) * Load(keys + j * H + v);
-    scores[j] = Sum(dot) * scale;
+    for (int a = 0; a < NQ; ++a) {
+      f8 dot = Splat(0.0f);
+      for (int64_t v = 0; v < H; v += 8) dot = MulAdd(Load(q[a] + v), Load(keys + j * H + v), dot);
+      scores[a][j] = Sum(dot) * scale;
+    }
   }
 }
 
-// out[0..8W) = out * rescale + sum_j p[j] * values[j][0..8W): W vectors of sums in registers.
-template <int W>
-inline void Accumulate(float* out, const float* p, const float* values, int64_t n, int64_t H,
-                       float rescale) {
-  f8 sums[W];
+// out[a][0..8W) = out[a] * rescale[a] + sum_j p[a][j] * values[j][0..8W) for each of the NQ
+// queries: W vectors of sums per query in registers, each value row loaded once for all.
+template <int NQ, int W>
+inline void Accumulate(float* const* out, const float* const* p, const float* values, int64_t n,
+                       int64_t H, const float* rescale) {
+  f8 sums[NQ][W];
+  for (int a = 0; a < NQ; ++a)
 #pragma GCC unroll 8
-  for (int w = 0; w < W; ++w) sums[w] = Load(out + 8 * w) * rescale;
+    for (int w = 0; w < W; ++w) sums[a][w] = Load(out[a] + 8 * w) * rescale[a];
   for (int64_t j = 0; j < n; ++j) {
-    const f8 pj = Splat(p[j]);
+    f8 pj[NQ];
+    for (int a = 0; a < NQ; ++a) pj[a] = Splat(p[a][j]);
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) sums[w] += pj * Load(values + j * H + 8 * w);
+    for (int w = 0; w < W; ++w) {
+      const f8 value = Load(values + j * H + 8 * w);
+      for (int a = 0; a < NQ; ++a) sums[a][w] = MulAdd(pj[a], value, sums[a][w]);
+    }
   }
+  for (int a = 0; a < NQ; ++a)
 #pragma GCC unroll 8
-  for (int w = 0; w < W; ++w) Store(out + 8 * w, sums[w]);
+    for (int w = 0; w < W; ++w) Store(out[a] + 8 * w, sums[a][w]);
+}
+
+// Keys [begin, end) of a block, whose scores (the 8-lane vectors covering them) lie in
+// scores[begin / 8 * 8 ..): turns them into exp(score - new max) in place, -inf padding around
+// them (a short block, a small page, the last keys) giving 0; updates the query's running max
+// and denominator and returns the factor its earlier sums are rescaled by (0 for its first block).
+inline float Softmax(float* scores, int64_t begin, int64_t end, float& max, float& denominator) {
+  const int64_t from = begin / 8 * 8, to = (end + 7) / 8 * 8;
+  std::fill(scores + from, scores + begin, kNegInf);
+  std::fill(scores + end, scores + to, kNegInf);
+  f8 top = Splat(kNegInf);
+  for (int64_t j = from; j < to; j += 8) {
+    const f8 s = Load(scores + j);
+    top = s > top ? s : top;
+  }
+  float block_max = top[0];
+  for (int i = 1; i < 8; ++i) block_max = std::max(block_max, top[i]);
+  const float new_max = std::max(max, block_max);
+  const float rescale = std::exp(max - new_max);
+  max = new_max;
+  f8 total = Splat(0.0f);
+  for (int64_t j = from; j < to; j += 8) {
+    const f8 p = Exp(Load(scores + j) - new_max);
+    Store(scores + j, p);
+    total += p;
+  }
+  denominator = denominator * rescale + Sum(total);
+  return rescale;
+}
+
+// NQ queries (indices query[0..NQ), one position) over keys [begin, end) of a block whose rows
+// start at key_rows and value_rows.
+template <int NQ>
+void AttendBlock(const Dims& d, const float* q, const int64_t* query, const float* key_rows,
+                 const float* value_rows, int64_t begin, int64_t end, float scale, float* max,
+                 float* denominator, float* acc) {
+  const int64_t H = d.head_dim;
+  alignas(32) float scores[NQ][kBlock];
+  const float* qa[NQ];
+  float* sa[NQ];
+  for (int a = 0; a < NQ; ++a) qa[a] = q + query[a] * H, sa[a] = scores[a] + begin;
+  Scores<NQ>(qa, key_rows + begin * H, end - begin, H, scale, sa);
+  float rescale[NQ];
+  for (int a = 0; a < NQ; ++a)
+    rescale[a] = Softmax(scores[a], begin, end, max[query[a]], denominator[query[a]]);
+  const float* v_rows = value_rows + begin * H;
+  const float* const* p = sa;
+  float* out[NQ];
+  int64_t h = 0;
+  for (; h + 64 <= H; h += 64) {
+    for (int a = 0; a < NQ; ++a) out[a] = acc + query[a] * H + h;
+    Accumulate<NQ, 8>(out, p, v_rows + h, end - begin, H, rescale);
+  }
+  for (; h < H; h += 8) {
+    for (int a = 0; a < NQ; ++a) out[a] = acc + query[a] * H + h;
+    Accumulate<NQ, 1>(out, p, v_rows + h, end - begin, H, rescale);
+  }
 }
 
 // The queries of one (sequence, kv head) over keys [lo, hi): q [Q, H] (query g * T + t at position
@@ -154,7 +236,6 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
                  const int32_t* positions, int64_t window, float scale, int64_t lo, int64_t hi,
                  float* max, float* denominator, float* acc) {
   const int64_t H = d.head_dim;
-  alignas(32) float scores[kBlock];
   // Blocks on the fixed grid: from a multiple of kBlock, to the next one or the page's end.
   for (int64_t j0 = lo / kBlock * kBlock, j1; j0 < hi; j0 = j1) {
     j1 = std::min({hi, (j0 / kBlock + 1) * kBlock, keys.PageEnd(j0)});
@@ -171,41 +252,23 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
         __builtin_prefetch(v_ahead + offset);
       }
     }
-    for (int64_t query = 0; query < d.queries(); ++query) {
-      const int64_t position = positions[query % d.tokens];
+    for (int64_t t = 0; t < d.tokens; ++t) {
+      const int64_t position = positions[t];
       const int64_t first = window ? std::max<int64_t>(0, position - window + 1) : 0;
       const int64_t begin = std::max<int64_t>(first - j0, 0);
       const int64_t end = std::min<int64_t>(position - j0 + 1, n);
-      if (begin >= end) continue;  // nothing this query sees in the block (or at all)
-      Scores(q + query * H, key_rows + begin * H, end - begin, H, scale, scores + begin);
-      // The 8-lane vectors covering [begin, end): a short block (a small page, the last keys)
-      // takes its exponentials over those lanes only.
-      const int64_t from = begin / 8 * 8, to = (end + 7) / 8 * 8;
-      std::fill(scores + from, scores + begin, kNegInf);
-      std::fill(scores + end, scores + to, kNegInf);
-      f8 top = Splat(kNegInf);
-      for (int64_t j = from; j < to; j += 8) {
-        const f8 s = Load(scores + j);
-        top = s > top ? s : top;
+      if (begin >= end) continue;  // nothing this position sees in the block (or at all)
+      int64_t query[kQueriesTogether];
+      int64_t g = 0;
+      for (; g + kQueriesTogether <= d.groups; g += kQueriesTogether) {
+        for (int a = 0; a < kQueriesTogether; ++a) query[a] = (g + a) * d.tokens + t;
+        AttendBlock<kQueriesTogether>(d, q, query, key_rows, value_rows, begin, end, scale, max,
+                                      denominator, acc);
       }
-      float block_max = top[0];
-      for (int i = 1; i < 8; ++i) block_max = std::max(block_max, top[i]);
-      const float new_max = std::max(max[query], block_max);
-      const float rescale = std::exp(max[query] - new_max);  // 0 for the first block it sees
-      max[query] = new_max;
-      f8 total = Splat(0.0f);
-      for (int64_t j = from; j < to; j += 8) {
-        const f8 p = Exp(Load(scores + j) - new_max);
-        Store(scores + j, p);
-        total += p;
+      for (; g < d.groups; ++g) {
+        query[0] = g * d.tokens + t;
+        AttendBlock<1>(d, q, query, key_rows, value_rows, begin, end, scale, max, denominator, acc);
       }
-      denominator[query] = denominator[query] * rescale + Sum(total);
-      float* out = acc + query * H;
-      const float* p = scores + begin;
-      const float* v_rows = value_rows + begin * H;
-      int64_t h = 0;
-      for (; h + 64 <= H; h += 64) Accumulate<8>(out + h, p, v_rows + h, end - begin, H, rescale);
-      for (; h < H; h += 8) Accumulate<1>(out + h, p, v_rows + h, end - begin, H, rescale);
     }
   }
 }
