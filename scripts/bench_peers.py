@@ -94,6 +94,10 @@ def llama_server(work: str) -> str:
             "-DLLAMA_CURL=OFF",
             "-DGGML_NATIVE=ON",
             "-DLLAMA_BUILD_SERVER=ON",
+            # -march=native turns on llama.cpp's AMX kernels where the CPU lists AMX, and they die of
+            # SIGILL in VMs that do not grant the tile state (its Q4_1 path here); jinfer uses none.
+            "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+            "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
         ]
         subprocess.run(["cmake", "-S", root, "-B", build, *flags], check=True, capture_output=True)
         jobs = str(os.cpu_count())

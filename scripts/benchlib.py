@@ -262,9 +262,10 @@ def llama_cpp_available() -> bool:
 
 def llama_cpp_source(source_dir: str, wanted: tuple[str, ...]) -> str:
     """llama.cpp's tree as vendored in the llama-cpp-python source distribution (downloaded from
-    PyPI into source_dir once), with the paths starting with `wanted` extracted; returns its root."""
+    PyPI into source_dir once), with the paths starting with `wanted` extracted ("" the whole tree,
+    known by its CMakeLists.txt); returns its root."""
     root = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}", "vendor", "llama.cpp")
-    if all(os.path.exists(os.path.join(root, w)) for w in wanted):
+    if all(os.path.exists(os.path.join(root, w or "CMakeLists.txt")) for w in wanted):
         return root
     os.makedirs(source_dir, exist_ok=True)
     archive = os.path.join(source_dir, f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz")
