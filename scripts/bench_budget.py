@@ -3,13 +3,16 @@ running stream waits for it.
 
 For each piece bucket (1, 2, 4, ... pieces of 64 tokens, one request's whole prompt each, every
 prompt in a slot of its own), the engine's compiled prefill program is timed on its own (best of
-`--calls` calls), beside a one-step decode of `--decoding` busy slots: a stream running while
+`--calls` calls), beside a one-step decode of `--decoding` busy slots. With `--position P` each
+piece continues a prompt whose first P positions are cached (a shared prefix's hit): its queries
+attend over them too. A stream running while
 prompts wait gets its next token after one iteration, the prefill plus its decode step. Prints
 prompt tokens/s and the prefill's MFU (useful FLOPs over the float32 matmul rate measured in the
 same run) for each, which is what `max_num_batched_tokens` trades: more tokens an iteration run
 closer to the FLOP ceiling and admit a burst sooner, and stretch every running stream's step.
 
-    python scripts/bench_budget.py [--quantization none] [--decoding 8] [--calls 5] [--out results]
+    python scripts/bench_budget.py [--quantization none] [--decoding 8] [--position 0] [--calls 5]
+        [--out results]
 
 Writes results/bench_budget.{json,md}.
 """
@@ -33,16 +36,15 @@ from jinfer.state import pack_piece, pack_pieces
 from jinfer.steps import prefill_program
 
 SLOTS = 32
-SEQ = 1024
 
 
-def pieces_chunk(pieces: int, vocab: int):
-    """`pieces` whole prompts of one piece each, prompt i in slot i from position 0, greedy."""
+def pieces_chunk(pieces: int, vocab: int, position: int):
+    """`pieces` prompt pieces, piece i in slot i from `position` (the last of its prompt), greedy."""
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     rng, rows = np.random.RandomState(0), []
     for slot in range(pieces):
         tokens = rng.randint(1000, vocab - 1, PROMPT_PIECE).astype(np.int32)
-        flags = {"slot": slot, "start": 0, "length": PROMPT_PIECE, "last": True, "generated": 0}
+        flags = {"slot": slot, "start": position, "length": PROMPT_PIECE, "last": True, "generated": 0}
         rows.append(
             pack_piece(tokens, **flags, min_tokens=0, bias={}, stop_ids=(), sampling=greedy, vocab=vocab)
         )
@@ -59,9 +61,9 @@ def best_seconds(call, calls: int) -> float:
     return best
 
 
-def time_prefill(device, pieces: int, vocab: int, calls: int) -> float:
-    """Best seconds of the prefill program over `pieces` whole one-piece prompts."""
-    program, chunk = prefill_program(pieces), pieces_chunk(pieces, vocab)
+def time_prefill(device, pieces: int, vocab: int, position: int, calls: int) -> float:
+    """Best seconds of the prefill program over `pieces` one-piece prompt ends at `position`."""
+    program, chunk = prefill_program(pieces), pieces_chunk(pieces, vocab, position)
     inputs = neutral_inputs(pieces).replace(steps=np.ones(pieces, np.int32))
     return best_seconds(lambda: device.dispatch(program, inputs, chunk).chunk.tokens, calls)
 
@@ -72,33 +74,37 @@ def main() -> int:
     )
     parser.add_argument("--quantization", default="none", help="the embedded model's weights: none or auto")
     parser.add_argument("--decoding", type=int, default=8, help="busy slots of the decode step beside")
+    parser.add_argument("--position", type=int, default=0, help="cached positions before each piece")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     progress("measuring the float32 matmul rate")
     peak = measure_ceiling()["matmul_gflop_s"] * 1e9
     progress(f"the embedded model, quantization={args.quantization}: load and warm up")
+    seq = max(1024, args.position + 2 * PROMPT_PIECE)  # the piece, and the decode step beside
     llm = jinfer.LLM(
         max_slots=SLOTS,
-        max_seq_len=SEQ,
-        kv_cache_tokens=SLOTS * SEQ,  # contiguous tables: every slot a whole sequence
+        max_seq_len=seq,
+        kv_cache_tokens=SLOTS * seq,  # contiguous tables: every slot a whole sequence
         max_num_batched_tokens=SLOTS * PROMPT_PIECE,
         decode_steps=1,
         quantization=args.quantization,
     )
     engine, device = llm.engine, llm.engine.device
     layout, vocab = engine.layout, engine.steps.vocab_size
-    device.set_tables(contiguous_tables(SLOTS, SEQ, layout.page_size))
+    device.set_tables(contiguous_tables(SLOTS, seq, layout.page_size))
     decode = Program("decode", layout.slot_bucket(args.decoding), layout.attention_buckets[-1])
     decoding = neutral_inputs(decode.rows).replace(
         steps=(np.arange(decode.rows) < args.decoding).astype(np.int32)
     )
     step_s = best_seconds(lambda: device.dispatch(decode, decoding).rows.tokens, args.calls)
     rows, result = [], {"decode_step_ms": step_s * 1e3, "decoding": args.decoding, "pieces": []}
+    result["position"] = args.position
     for pieces in layout.piece_buckets:
-        seconds = time_prefill(device, pieces, vocab, args.calls)
+        seconds = time_prefill(device, pieces, vocab, args.position, args.calls)
         tokens = pieces * PROMPT_PIECE
-        mfu = pieces * prefill_flops(engine.steps.model, engine.params, PROMPT_PIECE) / seconds / peak
+        flops = prefill_flops(engine.steps.model, engine.params, PROMPT_PIECE, args.position)
+        mfu = pieces * flops / seconds / peak
         entry = {"pieces": pieces, "tokens": tokens, "prefill_ms": seconds * 1e3, "mfu": mfu}
         entry |= {"tokens_per_s": tokens / seconds, "stream_wait_ms": (seconds + step_s) * 1e3}
         result["pieces"].append(entry)
@@ -108,7 +114,8 @@ def main() -> int:
         progress(f"  {pieces} pieces: {entry['prefill_ms']:.0f} ms, MFU {mfu:.2f}")
     columns = ["pieces", "prompt tokens", "prefill ms", "prompt tokens/s", "MFU", "a stream's step, ms"]
     table = markdown_table(columns, rows) + (
-        f"\n\nA decode step of {args.decoding} busy slots alone: {step_s * 1e3:.1f} ms. "
+        f"\n\nPieces from position {args.position}. "
+        f"A decode step of {args.decoding} busy slots alone: {step_s * 1e3:.1f} ms. "
         f"float32 matmul {peak / 1e9:.0f} GFLOP/s measured in the same run; {layout.describe()}."
     )
     write_results(args.out, "bench_budget", result, table)

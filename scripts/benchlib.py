@@ -162,10 +162,12 @@ def attention_flops(cfg, queries: int, keys: int) -> int:
     return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
 
 
-def prefill_flops(cfg, params, tokens: int) -> int:
-    """Useful FLOPs of one prefill: weight products for every token, causal attention, one logits row."""
+def prefill_flops(cfg, params, tokens: int, cached: int = 0) -> int:
+    """Useful FLOPs of one prefill: weight products for every token, causal attention (over
+    `cached` earlier positions too), one logits row."""
     layers, output = matrix_params(params)
-    return 2 * layers * tokens + 2 * output + attention_flops(cfg, tokens, tokens) // 2
+    attention = attention_flops(cfg, tokens, tokens) // 2 + attention_flops(cfg, tokens, cached)
+    return 2 * layers * tokens + 2 * output + attention
 
 
 def export_hf_from_gguf(gguf_path: str, directory: str) -> str:
