@@ -198,14 +198,17 @@ def test_cpu_attention_kernel_equals_xla_attention(batch, tokens, head_dim, leng
     assert np.all(got[~active] == 0)
 
 
-@pytest.mark.parametrize(("page_size", "window"), [(16, 0), (48, 0), (64, 0), (16, 100), (64, 300)])
-def test_cpu_attention_query_does_not_depend_on_the_others_in_the_call(page_size, window):
+@pytest.mark.parametrize(
+    ("page_size", "window", "groups"), [(16, 0, 3), (48, 0, 3), (64, 0, 4), (16, 100, 3), (64, 300, 4)]
+)
+def test_cpu_attention_query_does_not_depend_on_the_others_in_the_call(page_size, window, groups):
     """A query's output is the same bits alone as beside other queries of its row (a speculative
-    verify step's positions) and other rows of other lengths (a batch): batch invariance and
+    verify step's positions, a prompt piece's tokens: the kernel takes the heads of several tokens
+    through a block together) and other rows of other lengths (a batch): batch invariance and
     speculative decoding's exactness rest on it. Rows reach past several key splits."""
     assert cpu_attention.available()
     rng = np.random.RandomState(0)
-    kv_heads, groups, head_dim, tokens = 2, 3, 64, 5
+    kv_heads, head_dim, tokens = 2, 64, 5
     max_pages = 1200 // page_size + 1
     pool_pages = 1 + 4 * max_pages
     pools = [jnp.asarray(rng.randn(kv_heads, pool_pages, page_size, head_dim), jnp.float32) for _ in "kv"]

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -37,6 +38,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jinfer::Broadcast;
 using jinfer::f8;
 using jinfer::i8;
 using jinfer::Load;
@@ -55,28 +57,44 @@ constexpr int64_t kKeysPerHelper = 2048;
 constexpr int64_t kSplitKeys = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x), 8 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n through the
-// exponent bits); relative error ~2e-7. Lanes at -inf give 0.
-inline f8 Exp(f8 x) {
-  const f8 input = x;
-  x = x < Splat(-87.3f) ? Splat(-87.3f) : x;
-  x = x > Splat(88.3f) ? Splat(88.3f) : x;
-  const f8 t = x * 1.44269504088896341f + 0.5f;
-  i8 n = __builtin_convertvector(t, i8);
-  n += __builtin_convertvector(n, f8) > t;  // truncation -> floor (a true lane is -1)
-  const f8 nf = __builtin_convertvector(n, f8);
-  const f8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  f8 p = Splat(1.9875691500e-4f);
+// The widest vector of floats the CPU multiplies in one instruction. Each lane of an output's
+// sums is its own chain of multiply-adds, so the width never changes a bit of the result.
+#ifdef __AVX512F__
+typedef float f16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+using Wide = f16;
+using WideInt = i16;
+#else
+using Wide = f8;
+using WideInt = i8;
+#endif
+constexpr int64_t kWideLanes = sizeof(Wide) / sizeof(float);
+
+// exp(x) in each lane of F (I: as many int32 lanes): Cephes' expf, x = n ln2 + r, a degree-6
+// polynomial in r, 2^n through the exponent bits; relative error ~2e-7. Lanes at -inf give 0.
+// Every lane the same operations, whatever the width.
+template <typename F, typename I>
+inline F Exp(F x) {
+  const F input = x;
+  const F zero{}, low = zero - 87.3f, high = zero + 88.3f;
+  x = x < low ? low : x;
+  x = x > high ? high : x;
+  const F t = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(t, I);
+  n += __builtin_convertvector(n, F) > t;  // truncation -> floor (a true lane is -1)
+  const F nf = __builtin_convertvector(n, F);
+  const F r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  F p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i8 bits = (n + 127) << 23;
-  f8 scale;
+  const I bits = (n + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return input == Splat(kNegInf) ? Splat(0.0f) : p * scale;
+  return input == zero + kNegInf ? zero : p * scale;
 }
 
 struct Dims {
@@ -112,13 +130,62 @@ inline f8 Sums8(const f8* a) {
   return __builtin_shufflevector(d, d, 0, 4, 2, 6, 1, 5, 3, 7);
 }
 
-// Query heads that share a position (one kv head's group) go through a block of keys together, so
-// that each key and value row loaded serves all of them: AVX-512's 32 registers hold three
-// queries' sums (24) beside the row and the three queries; AVX2's 16 hold one query's.
+// Queries that see the same keys of a block (the heads of one kv head's group, and of the tokens
+// after it in a prompt piece) go through it together, so that each key and value row loaded
+// serves all of them: AVX-512's 32 registers hold six queries' sums (24, two keys' or 16 lanes
+// a register) beside the row and the six queries; AVX2's 16 hold one query's.
 #ifdef __AVX512F__
-constexpr int kQueriesTogether = 3;
+constexpr int kQueriesTogether = 6;
 #else
 constexpr int kQueriesTogether = 1;
+#endif
+
+#ifdef __AVX512F__
+// Sums8 of a[0..7] held in pairs, z[m] = (a[2m], a[2m + 1]): the same three rounds of additions,
+// two of them at a time.
+inline f8 Sums8Paired(const __m512* z) {
+  auto pick = [](__m512 x, __m512 y, std::initializer_list<int> lanes) {
+    alignas(64) int32_t index[16];
+    std::copy(lanes.begin(), lanes.end(), index);
+    return _mm512_permutex2var_ps(x, _mm512_load_si512(index), y);
+  };
+  // (b0, b1) and (b2, b3): lanes 0-3 of each a plus lanes 4-7.
+  __m512 b[2];
+  for (int i = 0; i < 2; ++i)
+    b[i] = _mm512_add_ps(
+        pick(z[2 * i], z[2 * i + 1], {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}),
+        pick(z[2 * i], z[2 * i + 1], {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}));
+  // (c0, c1)
+  const __m512 c = _mm512_add_ps(
+      pick(b[0], b[1], {0, 1, 8, 9, 4, 5, 12, 13, 16, 17, 24, 25, 20, 21, 28, 29}),
+      pick(b[0], b[1], {2, 3, 10, 11, 6, 7, 14, 15, 18, 19, 26, 27, 22, 23, 30, 31}));
+  // d's last round, its lanes put in key order
+  const __m512 d = _mm512_add_ps(pick(c, c, {0, 4, 2, 6, 8, 12, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0}),
+                                 pick(c, c, {1, 5, 3, 7, 9, 13, 11, 15, 0, 0, 0, 0, 0, 0, 0, 0}));
+  return (f8)_mm512_castps512_ps256(d);
+}
+
+// The 8 keys' scores of Scores below on AVX-512: keys 2m and 2m + 1 share a register, so that one
+// multiply-add instruction advances two keys' sums (each lane the same chain as on 8 lanes).
+template <int NQ>
+inline void Scores8(const float* const* q, const float* keys, int64_t H, float scale,
+                    float* const* scores) {
+  __m512 dots[NQ][4];
+  for (int a = 0; a < NQ; ++a)
+    for (int m = 0; m < 4; ++m) dots[a][m] = _mm512_setzero_ps();
+  for (int64_t v = 0; v < H; v += 8) {
+    __m512 qv[NQ];
+    for (int a = 0; a < NQ; ++a) qv[a] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[a] + v));
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) {
+      const __m512 key = _mm512_insertf32x8(
+          _mm512_castps256_ps512(_mm256_loadu_ps(keys + 2 * m * H + v)),
+          _mm256_loadu_ps(keys + (2 * m + 1) * H + v), 1);
+      for (int a = 0; a < NQ; ++a) dots[a][m] = _mm512_fmadd_ps(qv[a], key, dots[a][m]);
+    }
+  }
+  for (int a = 0; a < NQ; ++a) Store(scores[a], Sums8Paired(dots[a]) * scale);
+}
 #endif
 
 // scores[a][j] = scale * q[a] . keys[j] for j in [0, n) and each of the NQ queries: 8 keys at a
@@ -127,6 +194,13 @@ template <int NQ>
 inline void Scores(const float* const* q, const float* keys, int64_t n, int64_t H, float scale,
                    float* const* scores) {
   int64_t j = 0;
+#ifdef __AVX512F__
+  for (; j + 8 <= n; j += 8) {
+    float* at[NQ];
+    for (int a = 0; a < NQ; ++a) at[a] = scores[a] + j;
+    Scores8<NQ>(q, keys + j * H, H, scale, at);
+  }
+#endif
   for (; j + 8 <= n; j += 8) {
     f8 dots[NQ][8] = {};
     for (int64_t v = 0; v < H; v += 8) {
@@ -149,27 +223,37 @@ inline void Scores(const float* const* q, const float* keys, int64_t n, int64_t 
   }
 }
 
-// out[a][0..8W) = out[a] * rescale[a] + sum_j p[a][j] * values[j][0..8W) for each of the NQ
-// queries: W vectors of sums per query in registers, each value row loaded once for all.
-template <int NQ, int W>
+template <typename V>
+inline void StoreVector(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// out[a][0..LW) = out[a] * rescale[a] + sum_j p[a][j] * values[j][0..LW) for each of the NQ
+// queries (L: V's lanes): W vectors of sums per query in registers, each value row loaded once
+// for all. A rescale of 1 (the running max unchanged) leaves the sums as they are.
+template <int NQ, int W, typename V>
 inline void Accumulate(float* const* out, const float* const* p, const float* values, int64_t n,
                        int64_t H, const float* rescale) {
-  f8 sums[NQ][W];
+  constexpr int L = sizeof(V) / sizeof(float);
+  V sums[NQ][W];
   for (int a = 0; a < NQ; ++a)
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) sums[a][w] = Load(out[a] + 8 * w) * rescale[a];
+    for (int w = 0; w < W; ++w) {
+      sums[a][w] = Load<V>(out[a] + L * w);
+      if (rescale[a] != 1.0f) sums[a][w] *= rescale[a];
+    }
   for (int64_t j = 0; j < n; ++j) {
-    f8 pj[NQ];
-    for (int a = 0; a < NQ; ++a) pj[a] = Splat(p[a][j]);
+    V pj[NQ];
+    for (int a = 0; a < NQ; ++a) pj[a] = Broadcast<V>(p[a][j]);
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
-      const f8 value = Load(values + j * H + 8 * w);
+      const V value = Load<V>(values + j * H + L * w);
       for (int a = 0; a < NQ; ++a) sums[a][w] = MulAdd(pj[a], value, sums[a][w]);
     }
   }
   for (int a = 0; a < NQ; ++a)
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) Store(out[a] + 8 * w, sums[a][w]);
+    for (int w = 0; w < W; ++w) StoreVector(out[a] + L * w, sums[a][w]);
 }
 
 // Keys [begin, end) of a block, whose scores (the 8-lane vectors covering them) lie in
@@ -188,14 +272,14 @@ inline float Softmax(float* scores, int64_t begin, int64_t end, float& max, floa
   float block_max = top[0];
   for (int i = 1; i < 8; ++i) block_max = std::max(block_max, top[i]);
   const float new_max = std::max(max, block_max);
-  const float rescale = std::exp(max - new_max);
+  const float rescale = new_max == max ? 1.0f : std::exp(max - new_max);  // exp(0) is 1 exactly
   max = new_max;
-  f8 total = Splat(0.0f);
-  for (int64_t j = from; j < to; j += 8) {
-    const f8 p = Exp(Load(scores + j) - new_max);
-    Store(scores + j, p);
-    total += p;
-  }
+  int64_t j = from;
+  for (; j + kWideLanes <= to; j += kWideLanes)
+    StoreVector(scores + j, Exp<Wide, WideInt>(Load<Wide>(scores + j) - new_max));
+  for (; j < to; j += 8) Store(scores + j, Exp<f8, i8>(Load(scores + j) - new_max));
+  f8 total = Splat(0.0f);  // added up 8 lanes at a time, in order, whatever the width above
+  for (j = from; j < to; j += 8) total += Load(scores + j);
   denominator = denominator * rescale + Sum(total);
   return rescale;
 }
@@ -221,12 +305,60 @@ void AttendBlock(const Dims& d, const float* q, const int64_t* query, const floa
   int64_t h = 0;
   for (; h + 64 <= H; h += 64) {
     for (int a = 0; a < NQ; ++a) out[a] = acc + query[a] * H + h;
-    Accumulate<NQ, 8>(out, p, v_rows + h, end - begin, H, rescale);
+    Accumulate<NQ, 64 / kWideLanes, Wide>(out, p, v_rows + h, end - begin, H, rescale);
   }
   for (; h < H; h += 8) {
     for (int a = 0; a < NQ; ++a) out[a] = acc + query[a] * H + h;
-    Accumulate<NQ, 1>(out, p, v_rows + h, end - begin, H, rescale);
+    Accumulate<NQ, 1, f8>(out, p, v_rows + h, end - begin, H, rescale);
   }
+}
+
+// A block of keys: positions [j0, j0 + n), their key and value rows.
+struct Block {
+  int64_t j0, n;
+  const float *key_rows, *value_rows;
+};
+
+// AttendBlock over `count` (at most N) queries that see keys [begin, end) of the block.
+template <int N>
+void AttendSome(int count, const Dims& d, const float* q, const int64_t* query, const Block& block,
+                int64_t begin, int64_t end, float scale, float* max, float* denominator, float* acc) {
+  if constexpr (N > 1) {
+    if (count < N)
+      return AttendSome<N - 1>(count, d, q, query, block, begin, end, scale, max, denominator, acc);
+  }
+  AttendBlock<N>(d, q, query, block.key_rows, block.value_rows, begin, end, scale, max, denominator,
+                 acc);
+}
+
+// Every query (q [Q, H], query g * T + t at position positions[t]) over the keys of the block it
+// sees; those that see the same ones kQueriesTogether at a time, token after token.
+void AttendBlockQueries(const Dims& d, const float* q, const Block& block, const int32_t* positions,
+                        int64_t window, float scale, float* max, float* denominator, float* acc) {
+  int64_t query[kQueriesTogether];
+  int count = 0;
+  int64_t begin = 0, end = 0;  // the keys the gathered queries see
+  auto flush = [&] {
+    if (count) AttendSome<kQueriesTogether>(count, d, q, query, block, begin, end, scale, max,
+                                            denominator, acc);
+    count = 0;
+  };
+  for (int64_t t = 0; t < d.tokens; ++t) {
+    const int64_t position = positions[t];
+    const int64_t first = window ? std::max<int64_t>(0, position - window + 1) : 0;
+    const int64_t sees_from = std::max<int64_t>(first - block.j0, 0);
+    const int64_t sees_to = std::min<int64_t>(position - block.j0 + 1, block.n);
+    if (sees_from >= sees_to) continue;  // nothing this position sees in the block (or at all)
+    if (sees_from != begin || sees_to != end) {
+      flush();
+      begin = sees_from, end = sees_to;
+    }
+    for (int64_t g = 0; g < d.groups; ++g) {
+      query[count++] = g * d.tokens + t;
+      if (count == kQueriesTogether) flush();
+    }
+  }
+  flush();
 }
 
 // The queries of one (sequence, kv head) over keys [lo, hi): q [Q, H] (query g * T + t at position
@@ -252,24 +384,8 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
         __builtin_prefetch(v_ahead + offset);
       }
     }
-    for (int64_t t = 0; t < d.tokens; ++t) {
-      const int64_t position = positions[t];
-      const int64_t first = window ? std::max<int64_t>(0, position - window + 1) : 0;
-      const int64_t begin = std::max<int64_t>(first - j0, 0);
-      const int64_t end = std::min<int64_t>(position - j0 + 1, n);
-      if (begin >= end) continue;  // nothing this position sees in the block (or at all)
-      int64_t query[kQueriesTogether];
-      int64_t g = 0;
-      for (; g + kQueriesTogether <= d.groups; g += kQueriesTogether) {
-        for (int a = 0; a < kQueriesTogether; ++a) query[a] = (g + a) * d.tokens + t;
-        AttendBlock<kQueriesTogether>(d, q, query, key_rows, value_rows, begin, end, scale, max,
-                                      denominator, acc);
-      }
-      for (; g < d.groups; ++g) {
-        query[0] = g * d.tokens + t;
-        AttendBlock<1>(d, q, query, key_rows, value_rows, begin, end, scale, max, denominator, acc);
-      }
-    }
+    const Block block{j0, n, key_rows, value_rows};
+    AttendBlockQueries(d, q, block, positions, window, scale, max, denominator, acc);
   }
 }
 
