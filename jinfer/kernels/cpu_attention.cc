@@ -223,11 +223,6 @@ inline void Scores(const float* const* q, const float* keys, int64_t n, int64_t 
   }
 }
 
-template <typename V>
-inline void StoreVector(float* p, V v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
 // out[a][0..LW) = out[a] * rescale[a] + sum_j p[a][j] * values[j][0..LW) for each of the NQ
 // queries (L: V's lanes): W vectors of sums per query in registers, each value row loaded once
 // for all. A rescale of 1 (the running max unchanged) leaves the sums as they are.
@@ -253,7 +248,7 @@ inline void Accumulate(float* const* out, const float* const* p, const float* va
   }
   for (int a = 0; a < NQ; ++a)
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) StoreVector(out[a] + L * w, sums[a][w]);
+    for (int w = 0; w < W; ++w) Store(out[a] + L * w, sums[a][w]);
 }
 
 // Keys [begin, end) of a block, whose scores (the 8-lane vectors covering them) lie in
@@ -276,7 +271,7 @@ inline float Softmax(float* scores, int64_t begin, int64_t end, float& max, floa
   max = new_max;
   int64_t j = from;
   for (; j + kWideLanes <= to; j += kWideLanes)
-    StoreVector(scores + j, Exp<Wide, WideInt>(Load<Wide>(scores + j) - new_max));
+    Store(scores + j, Exp<Wide, WideInt>(Load<Wide>(scores + j) - new_max));
   for (; j < to; j += 8) Store(scores + j, Exp<f8, i8>(Load(scores + j) - new_max));
   f8 total = Splat(0.0f);  // added up 8 lanes at a time, in order, whatever the width above
   for (j = from; j < to; j += 8) total += Load(scores + j);

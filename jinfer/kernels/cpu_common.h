@@ -30,7 +30,11 @@ inline V Load(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void Store(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+// An unaligned store of a vector of floats (of any width).
+template <typename V>
+inline void Store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
 inline float Sum(f8 v) {
   float s = 0;
   for (int i = 0; i < 8; ++i) s += v[i];
