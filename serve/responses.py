@@ -112,6 +112,12 @@ def timings(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
 # decoding to one of them would cut its event in two.
 _UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
+# What silence sends: a blank line, which every SSE parser ignores (no field, no event). A comment
+# (`: keep-alive`) would say more, but clients that strip each network read before splitting it
+# at blank lines (vLLM's benchmark client among them) glue a lone comment to the next event and drop
+# that event with it.
+SSE_KEEPALIVE = "\n\n"
+
 
 def sse_data(body: dict) -> str:
     """One Server-Sent Event carrying `body` as JSON on a single line, whoever splits the lines."""
@@ -364,7 +370,7 @@ class ResponseWriter:
             while not all(choice.final for choice in choices):
                 events = await self.next_batch(queue)
                 if events is None:
-                    yield ": keep-alive\n\n"
+                    yield SSE_KEEPALIVE
                     continue
                 for index, event in events:
                     for line in choices[index].add(index, event, writer):

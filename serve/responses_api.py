@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 from jinfer.tools import ToolStream, finish_output, finish_reason
 
 from .protocol import NO_EFFECT_FIELDS, APIError, Submission
-from .responses import ResponseWriter, WriterContext, now
+from .responses import SSE_KEEPALIVE, ResponseWriter, WriterContext, now
 
 REFUSED = {
     "previous_response_id": "responses are not stored: send the whole conversation as input",
@@ -331,7 +331,7 @@ class ResponsesWriter:
             while final is None:
                 events = await self.streams.next_batch(queue)
                 if events is None:
-                    yield ": keep-alive\n\n"
+                    yield SSE_KEEPALIVE
                     continue
                 for _, piece in events:
                     delta = piece.text if tool_stream is None else tool_stream.add(piece.text)

@@ -69,12 +69,24 @@ def _texts(frames):
 def test_each_token_is_its_own_event_by_default_and_silence_sends_keepalives(tokenizer):
     api = _api(tokenizer, keepalive_s=0.05)
     frames = asyncio.run(_collect(api, [(0.0, "a", False), (0.2, "b", False), (0.0, "c", True)]))
-    assert frames.count(": keep-alive\n\n") >= 2  # 0.2 s of silence, one comment per 0.05 s
+    assert frames.count("\n\n") >= 2  # 0.2 s of silence, a blank line per 0.05 s
     assert _texts(frames) == ["a", "b", "c", ""]  # the finish comes as an empty chunk of its own
     assert json.loads(frames[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert frames[-1] == "data: [DONE]\n\n"
     assert all(f.endswith("\n\n") and f.count("\n") == 2 for f in frames)
     assert api.bridge.cancelled == ["r1"]  # finished requests are cancelled as a no-op on the way out
+
+
+def test_keepalives_are_invisible_to_the_openai_clients_parser(tokenizer):
+    from openai._streaming import SSEDecoder
+
+    api = _api(tokenizer, keepalive_s=0.05)
+    frames = asyncio.run(_collect(api, [(0.15, "a", False), (0.15, "b", True)]))
+    assert len(frames) > 5  # keep-alives between the events
+    events = list(SSEDecoder().iter_bytes(f.encode() for f in frames))  # a network read per frame
+    data = [e.data for e in events]
+    assert data == [f[6:-2] for f in frames if f.startswith("data: ")]
+    assert _texts(frames) == ["a", "b", ""]
 
 
 def test_coalescing_by_token_count_and_delay(tokenizer):
