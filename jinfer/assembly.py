@@ -115,4 +115,5 @@ def _scheduler(loaded: LoadedModel, layout: Layout, kv: KVPages) -> Scheduler:
         layout.decode_steps,
         layout.draft_tokens,
         piece_buckets=layout.piece_buckets,
+        decode_with_prompts=bool(layout.mixed_rows),
     )

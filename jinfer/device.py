@@ -184,21 +184,21 @@ class Device:
         return built
 
     def _idle_chunk(self, program: Program) -> PackedChunk | None:
-        """A prefill program's pieces: one greedy one-token prompt into slot 0, the rest padding
-        (None for other kinds)."""
-        if program.kind != "prefill":
+        """A prefill or mixed program's pieces: one greedy one-token prompt into slot 0, the rest
+        padding (None for other kinds)."""
+        if not program.chunk:
             return None
         greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
         tokens, vocab = np.zeros(PROMPT_PIECE, np.int32), self.steps.vocab_size
         flags = {"slot": 0, "start": 0, "length": 1, "last": True, "generated": 0, "min_tokens": 0}
         piece = pack_piece(tokens, **flags, bias={}, stop_ids=(), sampling=greedy, vocab=vocab)
-        return pack_pieces([piece], program.rows, PROMPT_PIECE, vocab)
+        return pack_pieces([piece], program.chunk // PROMPT_PIECE, PROMPT_PIECE, vocab)
 
     def idle_inputs(self, program: Program, force: int = -1, busy: int = 0) -> RowInputs:
         """A program's inputs with no row busy (`busy`: every row `busy` steps); a verify program's
         plan has every row drafting, made to take the length of index `force` (-1: its choice)."""
         layout = self.steps.layout
-        rows = program.rows
+        rows = program.input_rows
         if program.kind != "verify":
             return neutral_inputs(rows, processors=self.steps.processors).replace(
                 steps=np.full(rows, busy, np.int32)

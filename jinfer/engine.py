@@ -3,7 +3,8 @@
     submit / cancel (any thread) --inbox, under a lock--> Scheduler
     loop thread:  plan -> dispatch the prompt chunks the token budget took (one prefill dispatch
                   of pieces) + one multi-step decode (async, cache donated), or, speculating,
-                  decode steps that verify draft tokens (`jinfer.speculative`)
+                  decode steps that verify draft tokens (`jinfer.speculative`), or, where the
+                  layout allows (`Layout.mixed_rows`), the pieces and one decode step as one
                   -> read the previous iteration's tokens (one iteration late) -> scheduler.commit
                   -> the events it returns go to the sinks, outside the lock
 
@@ -44,7 +45,7 @@ from jinfer.scheduler import Plan, QueueFullError
 from jinfer.scoring import Scorer
 from jinfer.speculation import DraftRecord, may_draft, measure_verify_costs
 from jinfer.state import pack_history, pack_pieces
-from jinfer.steps import prefill_program
+from jinfer.steps import mixed_program, prefill_program
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
 
@@ -278,26 +279,34 @@ class Engine:
             self._tables_version = self.kv.version
         sampled = [w.request for w in plan.prefills if w.last]
         allowed = allowed_bitmask(sampled, self.layout.max_slots, self.steps.vocab_size)
+        if plan.prefills and plan.decodes and self.layout.mixed_rows:
+            return self._dispatch_mixed(plan, allowed)
         pending = self._dispatch_prefill(plan.prefills, allowed) if plan.prefills else []
         if plan.decodes:
             pending += self._dispatch_decode(plan, allowed)
         return pending
 
-    def _dispatch_prefill(self, works: list[PrefillWork], allowed) -> list[Pending]:
-        """The plan's prompt chunks, cut into pieces, as one prefill dispatch (a piece bucket);
-        the pending record of the pieces that end a prompt."""
+    def _pieces(self, works: list[PrefillWork]) -> tuple:
+        """The chunks cut into pieces, padded to a piece bucket: the packed pieces, each piece's
+        request and the request it ends (None: none, or padding)."""
         vocab = self.steps.vocab_size
-        pieces, owners, ending = [], [], []  # each piece's rows, request, and the request it ends
+        pieces, owners, ending = [], [], []
         for work in works:
             rows = work.pieces(PROMPT_PIECE, vocab)
             pieces += rows
             owners += [work.request] * len(rows)
             ending += [None] * (len(rows) - 1) + [work.request if work.last else None]
         bucket = self.layout.piece_bucket(len(pieces))
-        owners += [None] * (bucket - len(owners))
+        padding = [None] * (bucket - len(pieces))
+        return pack_pieces(pieces, bucket, PROMPT_PIECE, vocab), owners + padding, ending + padding
+
+    def _dispatch_prefill(self, works: list[PrefillWork], allowed) -> list[Pending]:
+        """The plan's prompt chunks, cut into pieces, as one prefill dispatch (a piece bucket);
+        the pending record of the pieces that end a prompt."""
+        chunk, owners, ending = self._pieces(works)
+        bucket = len(owners)
         wants = np.bool_(any(w.request.sampling.logprobs is not None for w in works if w.last))
         inputs = self._inputs(owners, steps=np.ones(bucket, np.int32), want_logprobs=wants, allowed=allowed)
-        chunk = pack_pieces(pieces, bucket, PROMPT_PIECE, vocab)
         try:
             for work in works:
                 self._set_history(work)
@@ -309,7 +318,29 @@ class Engine:
             self._recover([w.request for w in works], e)
             return []
         self.dispatch_counts.count_prefill(sum(len(w.tokens) for w in works), program.chunk)
-        return [Pending(ending + [None] * (bucket - len(ending)), out.chunk)] if any(ending) else []
+        return [Pending(ending, out.chunk)] if any(ending) else []
+
+    def _dispatch_mixed(self, plan: Plan, allowed) -> list[Pending]:
+        """The plan's prompt pieces and one decode step of its rows as one mixed dispatch; the
+        pending records of the pieces that end a prompt and of the rows."""
+        works = plan.prefills
+        chunk, piece_owners, ending = self._pieces(works)
+        busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
+        owners = plan.decode_owners[: self.layout.mixed_bucket(busy[-1] + 1)]
+        inputs = self._decode_inputs(owners, 1, allowed, pieces=piece_owners)
+        try:
+            for work in works:
+                self._set_history(work)
+            program = mixed_program(len(owners), len(piece_owners))
+            out = self.device.dispatch(program, inputs, chunk)
+        except Exception as e:
+            self._recover([w.request for w in works] + [r for r in owners if r is not None], e)
+            return []
+        self.dispatch_counts.count_prefill(sum(len(w.tokens) for w in works), program.chunk)
+        self.dispatch_counts.count_decode(program.kind, 1, inputs.steps[: len(owners)])
+        self.dispatch_counts.mixed_dispatches += 1
+        pending = [Pending(ending, out.chunk)] if any(ending) else []
+        return pending + self._decode_pending(owners, inputs, out)
 
     def _dispatch_decode(self, plan: Plan, allowed) -> list[Pending]:
         """The decode dispatch over the plan's rows: plain steps or verify steps; the pending record
@@ -334,22 +365,29 @@ class Engine:
             self._recover([r for r in owners if r is not None], e)
             return []
         self.dispatch_counts.count_decode(program.kind, steps, inputs.steps[:rows])
-        deferred = inputs.deferred[:rows]
-        taking = [None if d else r for r, d in zip(owners, deferred, strict=True)]
         verified = (steps, out.checked, out.kinds) if verifying is not None else None
+        return self._decode_pending(owners, inputs, out, verified)
+
+    def _decode_pending(self, owners: list, inputs: RowInputs, out, verified=None) -> list[Pending]:
+        """The pending record of a dispatch's decode rows (`owners`); its deferred rows are
+        sampled next iteration."""
+        deferred = inputs.deferred[: len(owners)]
+        taking = [None if d else r for r, d in zip(owners, deferred, strict=True)]
         if deferred.any():
             self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
         return [Pending(taking, out.rows, verified)]
 
-    def _decode_inputs(self, owners: list, steps: int, allowed) -> RowInputs:
-        """The inputs of a decode dispatch over `owners`' rows."""
+    def _decode_inputs(self, owners: list, steps: int, allowed, pieces: list = ()) -> RowInputs:
+        """The inputs of a decode dispatch over `owners`' rows, then (a mixed dispatch) a row per
+        prompt piece, whose request (`pieces`) may want log-probs too."""
         row_steps = [0 if r is None else r.dispatch_tokens(steps) for r in owners]
         deferred = [r is not None and r.constraint is not None for r in owners]
         sampled = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
+        sampled += [r for r in pieces if r is not None]
         return self._inputs(
-            owners,
-            steps=np.array(row_steps, np.int32),
-            deferred=np.array(deferred),
+            [*owners, *pieces],
+            steps=np.array(row_steps + [1] * len(pieces), np.int32),
+            deferred=np.array(deferred + [False] * len(pieces)),
             want_logprobs=np.bool_(any(r.sampling.logprobs is not None for r in sampled)),
             allowed=allowed,
         )

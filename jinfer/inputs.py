@@ -34,6 +34,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jinfer.config import PROMPT_PIECE
 from jinfer.sampling import RequestError, StepOutput
 from jinfer.sharding import DATA
 
@@ -176,12 +177,17 @@ def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -
 class Program(NamedTuple):
     """One compiled variant of the steps: its kind and the bucket sizes it was built for."""
 
-    kind: str  # "prefill" | "decode" | "verify" | "sample"
+    kind: str  # "prefill" | "mixed" | "decode" | "verify" | "sample"
     rows: int  # decode rows (a slot bucket); a prefill's: its prompt pieces (a piece bucket)
-    attn_len: int = 0  # the attention bucket of decode rows (0: a prefill's or sample's none)
-    chunk: int = 0  # prompt tokens carried, padded (prefill: pieces x PROMPT_PIECE)
+    attn_len: int = 0  # the attention bucket of decode rows (0: none, or one kernel reads all)
+    chunk: int = 0  # prompt tokens carried, padded (prefill, mixed: pieces x PROMPT_PIECE)
     drafts: int = 0  # verify: the longest draft length
     feeds_draft: bool = True  # with a draft model: whether the draft model's passes run too
+
+    @property
+    def input_rows(self) -> int:
+        """Rows of its `RowInputs`: a mixed program's decode rows, then a row per piece."""
+        return self.rows + (self.chunk // PROMPT_PIECE if self.kind == "mixed" else 0)
 
 
 @struct.dataclass

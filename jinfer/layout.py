@@ -15,6 +15,7 @@ start-up log all read. The per-platform choices live here and nowhere else:
                        vLLM's default, not yet measured on one here)
     max_seq_len        capped at the model's context window and at the pool
     prompt pieces      how many a prefill dispatch may carry: the token budget's, bucketed
+    decode with prompts whether the decode rows ride in the prompt pieces' dispatch (`mixed_rows`)
     attention kernel   CPU C++ / GPU Pallas / none (XLA's einsums), and so the attention buckets
     packed weights     the CPU matmul kernel where it runs (and, asked for "auto", memory allows)
     quantized weights  kept (and multiplied by their CPU kernel) where it runs, else dequantized
@@ -115,6 +116,25 @@ class Layout:
 
     def piece_bucket(self, pieces: int) -> int:
         return next(b for b in self.piece_buckets if b >= pieces)
+
+    @property
+    def mixed_rows(self) -> tuple[int, ...]:
+        """The decode rows a prompt pieces' dispatch is compiled to carry as well (empty: decode
+        rows always get a dispatch of their own). One forward then reads each weight once for both,
+        where the decode dispatch beside it would stream them from memory again (at 32 busy slots
+        about as long as a piece takes). Only where a decode row's bits cannot depend on the prompt
+        columns beside it: jinfer's CPU kernels for every product (each column one running sum,
+        whatever shares the call) and for attention; and one plain decode step a dispatch (no
+        `lax.scan` of several, no drafts to verify). Two buckets, 8 and every slot: a bucket costs
+        a compiled program per piece bucket, and an idle row costs only its columns' products."""
+        kernels = self.attention_kernel == "cpu" and (self.packed_weights or self.quantized_weights)
+        if not kernels or self.decode_steps != 1 or self.draft_tokens or self.mesh_data > 1:
+            return ()
+        return tuple(sorted({min(8, self.max_slots), self.max_slots}))
+
+    def mixed_bucket(self, busy: int) -> int:
+        """The decode rows of a mixed dispatch for `busy` = the highest busy slot + 1."""
+        return next(b for b in self.mixed_rows if b >= busy)
 
     @property
     def attention_buckets(self) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ class DispatchCounts:
     prefill_dispatches: int = 0  # dispatches of prompt pieces
     prefill_tokens: int = 0  # their prompt tokens...
     prefill_padding: int = 0  # ... and the padding up to whole pieces and a piece bucket
+    mixed_dispatches: int = 0  # prefill dispatches that carried a decode step too (counted as both)
     decode_dispatches: int = 0  # decode dispatches, verify ones included
     decode_steps: int = 0
     decode_active_row_steps: int = 0

@@ -78,6 +78,7 @@ class Scheduler:
         draft_tokens: int = 0,
         piece_len: int = PROMPT_PIECE,
         piece_buckets: tuple[int, ...] | None = None,
+        decode_with_prompts: bool = False,
     ):
         self.tokenizer = tokenizer
         self.decode_steps = decode_steps  # tokens a decode dispatch produces per slot
@@ -87,6 +88,9 @@ class Scheduler:
         self.piece_len = piece_len  # prompt chunks take whole pieces of the budget
         # The piece counts a prefill dispatch is compiled for (None: any count).
         self.piece_buckets = piece_buckets
+        # Decode rows ride in the prompt pieces' dispatch (`Layout.mixed_rows`): a request whose
+        # prompt ends there decodes from the next iteration on, not in the same one.
+        self.decode_with_prompts = decode_with_prompts
         self.kv = kv
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_slots
@@ -148,8 +152,13 @@ class Scheduler:
             if pieces <= 0:
                 break
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
-        # (the device runs the prefill first; its admission gave it pages for that).
-        return self._in_flight(Plan(prefills, self._decode_owners()))
+        # (the device runs the prefill first; its admission gave it pages for that), unless the
+        # two share one forward.
+        owners = self._decode_owners()
+        if self.decode_with_prompts and prefills:
+            prefilling = {id(w.request) for w in prefills}
+            owners = [None if r is not None and id(r) in prefilling else r for r in owners]
+        return self._in_flight(Plan(prefills, owners))
 
     def _piece_room(self, pieces: int) -> int:
         """Pieces a dispatch may fill: `pieces`, up to the bucket it would be padded to anyway (a

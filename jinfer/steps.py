@@ -17,8 +17,15 @@ change), its per-row inputs typed (`jinfer.inputs.RowInputs`), a prompt chunk wh
       starts past them). The last real position of a prompt's last piece gives the request's
       first token, sampled on device; its slot's state row is (re)initialised from the request
       (sampling knobs, logit bias, stop ids, how many tokens it generated before a preemption).
-      Decode tokens run in their own dispatch beside it: the few-column kernels give a decode
-      row the same bits whatever else runs, which a product shared with prompt columns would not.
+      Decode tokens run in a dispatch of their own beside it, or, where the layout allows
+      (`Layout.mixed_rows`), in the same forward:
+  mixed[rows, pieces]
+      One decode step for slots 0..rows-1 and prompt pieces (as prefill's) in one forward over
+      both groups' columns, so every weight is read once for both. Its inputs have a row per decode
+      row, then one per piece. Only where every product and the attention are jinfer's CPU kernels,
+      which give a column the same bits whatever shares the call: a decode row's token is the one
+      its own dispatch would give. A request whose prompt ends in the dispatch decodes from the
+      next one on (its first token is not known inside the forward).
   decode[rows, attn_len]
       `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
       slot's last token, samples the next one per slot and keeps it on device for the following
@@ -84,6 +91,7 @@ from jinfer.state import (
     RowStep,
     SlotState,
     new_state,
+    put_rows,
     rows_of,
     sample_rows,
     scan_rows,
@@ -127,8 +135,8 @@ def _start_slots(
     """
     pieces, slots = chunk.slot.shape[0], chunk.slot
     every = jnp.arange(pieces)[:, None]
-    bias_rows = jnp.zeros((pieces, vocab), jnp.float32).at[every, chunk.bias_ids].set(
-        chunk.bias_values, mode="drop"
+    bias_rows = (
+        jnp.zeros((pieces, vocab), jnp.float32).at[every, chunk.bias_ids].set(chunk.bias_values, mode="drop")
     )
     stop_rows = jnp.zeros((pieces, vocab), bool).at[every, chunk.stop_ids].set(True, mode="drop")
     counts_rows = jnp.where(chunk.generated[:, None] > 0, state.counts[slots], 0)
@@ -200,21 +208,64 @@ def _prefill(
 
 
 def _decode_step(params, cache, state, tables, step: RowStep, *, cfg, vocab, draft_cfg, **attention):
-    """One decode step for the state's rows (slots 0..rows-1, `step`). Deferred rows keep their
-    logits in the state (written only when some row is deferred) instead of sampling. Returns the
-    cache, the rows' state and their output [rows]. `attention`: attn_len and attention_kernel."""
+    """One decode step for the state's rows (slots 0..rows-1, `step`). Returns the cache, the rows'
+    state and their output [rows]. `attention`: attn_len and attention_kernel."""
     group = TokenGroup.of_rows(state.tokens[:, None], state.positions, step.active)
     (hidden,), cache = run_model(params, (group,), cfg, cache, tables, draft_cfg=draft_cfg, **attention)
     logits = family_of(cfg).logits(params.target, hidden[:, 0])[:, :vocab]
+    state, out = _sample_step(state, logits, step)
+    return cache, state, out
+
+
+def _sample_step(state: SlotState, logits, step: RowStep):
+    """A decode step's sampling over its rows' logits [rows, V]: deferred rows keep their logits
+    in the state (written only when some row is deferred) instead of sampling."""
     kept = jax.lax.cond(
         jnp.any(step.deferred),
         lambda: jnp.where(step.deferred[:, None], logits, state.logits),
         lambda: state.logits,
     )
-    state, out = sample_rows(
+    return sample_rows(
         state.replace(logits=kept), logits, None, step.sampled, step.want_logprobs, step.processing
     )
-    return cache, state, out
+
+
+def _mixed(
+    params,
+    cache,
+    state,
+    tables,
+    inputs: RowInputs,
+    packed: PackedChunk,
+    *,
+    cfg,
+    vocab,
+    draft_cfg,
+    processors,
+    attention_kernel,
+):
+    """One decode step for slots 0..rows-1 (the first `rows` rows of `inputs`) and the prompt
+    pieces (the rest) in one forward; each piece's token as `_prefill` samples it. The rows' output
+    [1, rows] and the pieces' [1, P]."""
+    chunk = packed.unpack()
+    rows = inputs.steps.shape[0] - chunk.slot.shape[0]
+    part = rows_of(state, rows)
+    processing = inputs.processing(processors, slice(0, rows))
+    step = RowStep(inputs.steps[:rows] > 0, inputs.deferred[:rows], inputs.want_logprobs, processing)
+    decoding = TokenGroup.of_rows(part.tokens[:, None], part.positions, step.active)
+    groups = (decoding, _chunk_group(chunk))
+    attention = {"attention_kernel": attention_kernel}
+    (row_hidden, piece_hidden), cache = run_model(
+        params, groups, cfg, cache, tables, draft_cfg=draft_cfg, **attention
+    )
+    last = jnp.concatenate([row_hidden[:, 0], _last_real(piece_hidden, chunk)])
+    logits = family_of(cfg).logits(params.target, last)[:, :vocab]  # one product: [rows + P, V]
+    part, out = _sample_step(part, logits[:rows], step)
+    pairs = inputs.processing(processors, slice(rows, None))
+    state, pieces_out = _start_slots(
+        put_rows(state, part), chunk, logits[rows:], inputs.allowed, vocab, inputs.want_logprobs, pairs
+    )
+    return cache, state, DispatchOutput(rows=jax.tree.map(lambda x: x[None], out), chunk=pieces_out)
 
 
 def _decode(
@@ -315,6 +366,7 @@ def program_keys(layout: Layout, draft: bool) -> list[Program]:
     keys = []
     for feeds_draft in (True, False) if draft else (True,):
         keys += [prefill_program(pieces, feeds_draft) for pieces in layout.piece_buckets]
+        keys += [mixed_program(rows, pieces) for rows in layout.mixed_rows for pieces in layout.piece_buckets]
         for attn_len in layout.attention_buckets:
             for rows in layout.slot_buckets:
                 keys.append(Program("decode", rows, attn_len, feeds_draft=feeds_draft))
@@ -329,12 +381,18 @@ def prefill_program(pieces: int, feeds_draft: bool = True) -> Program:
     return Program("prefill", pieces, chunk=pieces * PROMPT_PIECE, feeds_draft=feeds_draft)
 
 
+def mixed_program(rows: int, pieces: int) -> Program:
+    """The key of the program carrying `rows` decode rows and `pieces` prompt pieces (buckets)."""
+    return Program("mixed", rows, chunk=pieces * PROMPT_PIECE)
+
+
 def _program_function(key: Program, layout: Layout, model_options: dict) -> Callable:
     """The function a program jits (before jit: several keys share one jitted function)."""
     if key.kind == "sample":
         return partial(_sample, processors=model_options["processors"])
-    if key.kind == "prefill":
-        return partial(_prefill, attention_kernel=layout.attention_kernel, **model_options)
+    if key.kind in ("prefill", "mixed"):
+        function = _prefill if key.kind == "prefill" else _mixed
+        return partial(function, attention_kernel=layout.attention_kernel, **model_options)
     options = {"attn_len": key.attn_len, "attention_kernel": layout.attention_kernel, **model_options}
     steps = layout.decode_steps
     if key.kind == "verify":

@@ -138,6 +138,11 @@ class FakeDevice:
             return DispatchOutput(rows=_output(tokens))
         if program.kind == "prefill":
             return DispatchOutput(rows=None, chunk=_output(self._prefill(chunk, inputs.allowed)[None]))
+        if program.kind == "mixed":  # one decode step of its rows, and the pieces (other slots)
+            rows = self._decode_rows(inputs, program.rows, 1, 1)
+            return DispatchOutput(
+                rows=_output(rows), chunk=_output(self._prefill(chunk, inputs.allowed)[None])
+            )
         steps = self.layout.decode_steps
         per_step = program.drafts + 1 if program.kind == "verify" else 1
         tokens = self._decode_rows(inputs, program.rows, steps, per_step)

@@ -75,8 +75,27 @@ def test_engine_greedy_equals_full_forward_reference_with_chunked_prefill(llm):
         assert out.token_ids == _greedy_reference(llm, prompt, 16), length
 
 
+@pytest.fixture(scope="module")
+def mixing_llm(tiny_model):
+    """One decode step a dispatch, as `jinfer serve` runs: decode rows ride in the prompt pieces'
+    dispatch whenever both run."""
+    llm = jinfer.LLM(
+        tiny_model("llama_gqa_untied")[0],
+        max_slots=4,
+        max_seq_len=128,
+        max_num_batched_tokens=64,
+        decode_steps=1,
+        packed_weights=True,
+    )
+    assert llm.engine.layout.mixed_rows == (4,)
+    return llm
+
+
+@pytest.mark.parametrize("engine", ["llm", "mixing_llm"], ids=["own-dispatch", "mixed"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_batch_invariance_in_every_slot(llm, sampling):
+def test_batch_invariance_in_every_slot(request, engine, sampling):
+    llm = request.getfixturevalue(engine)
+    mixed_before = llm.engine.dispatch_counts.mixed_dispatches
     target = _prompt(7, 21)
     (alone,) = llm.generate([target], sampling)
     for slot in range(4):
@@ -87,19 +106,23 @@ def test_batch_invariance_in_every_slot(llm, sampling):
         samplings.insert(slot, sampling)
         results = llm.generate(prompts, samplings)
         assert results[slot].token_ids == alone.token_ids, slot
+    mixed = llm.engine.dispatch_counts.mixed_dispatches - mixed_before
+    assert mixed > 0 if engine == "mixing_llm" else mixed == 0
 
 
-@pytest.mark.parametrize("slots", [32, 64])
-def test_log_probs_are_batch_invariant_in_the_widest_decode_steps(tiny_model, slots):
+@pytest.mark.parametrize("slots,steps", [(32, 4), (64, 4), (32, 1)], ids=["32", "64", "32-mixed"])
+def test_log_probs_are_batch_invariant_in_the_widest_decode_steps(tiny_model, slots, steps):
     """A request's log-probs are the same bits alone and beside a crowd filling every row of the
-    decode step (32, or 64: past 32 the packed kernel multiplies from cached panels); compared
-    exactly, since a greedy token alone would hide a difference in the last bits."""
+    decode step (32, or 64: past 32 the packed kernel multiplies from cached panels; or 32 rows
+    sharing their products with prompt pieces, one decode step a dispatch); compared exactly,
+    since a greedy token alone would hide a difference in the last bits."""
     llm = jinfer.LLM(
         tiny_model("llama_gqa_untied")[0],
         max_slots=slots,
         max_seq_len=128,
         kv_cache_tokens=slots * 128,
         packed_weights=True,
+        decode_steps=steps,
     )
     assert llm.engine.layout.packed_weights and llm.engine.layout.slot_buckets[-1] == slots
     target = _prompt(7, 21)
@@ -111,16 +134,20 @@ def test_log_probs_are_batch_invariant_in_the_widest_decode_steps(tiny_model, sl
     dispatched, dispatch = [], llm.engine.device.dispatch
     llm.engine.device.dispatch = lambda program, *args: dispatched.append(program) or dispatch(program, *args)
     results = llm.generate(prompts, samplings)
-    assert max(p.rows for p in dispatched if p.kind == "decode") == slots  # every row of the widest
+    kind = "decode" if steps > 1 else "mixed"
+    assert max(p.rows for p in dispatched if p.kind == kind) == slots  # every row of the widest
     assert results[0].token_ids == alone.token_ids and results[0].logprobs == alone.logprobs
 
 
-@pytest.mark.parametrize("budget", [64, 256], ids=["one-piece", "four-pieces"])
-def test_no_recompiles_after_warmup(tiny_model, budget):
+@pytest.mark.parametrize(
+    "budget,steps", [(64, 4), (256, 4), (256, 1)], ids=["one-piece", "four-pieces", "mixed"]
+)
+def test_no_recompiles_after_warmup(tiny_model, budget, steps):
     llm = jinfer.LLM(
         tiny_model("qwen2_bias_tied")[0],
         max_slots=4,
         max_seq_len=128,
+        decode_steps=steps,
         max_num_batched_tokens=budget,
         kv_cache_tokens=256,  # two full-length sequences: the crowd below is preempted at times
         page_size=16,
@@ -143,6 +170,7 @@ def test_no_recompiles_after_warmup(tiny_model, budget):
     assert all(r.finish_reason in ("stop", "length") for r in results)
     stats = llm.engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert (llm.engine.dispatch_counts.mixed_dispatches > 0) == (steps == 1)
     assert llm.engine.compile_count() == before
     assert compiles == []
 
@@ -531,6 +559,7 @@ def test_dispatch_counts_say_how_full_the_batches_ran(llm):
         "prefill_dispatches": 2,
         "prefill_tokens": 24,
         "prefill_padding": 2 * (64 - 12),
+        "mixed_dispatches": 0,  # the fixture's decode takes several steps a dispatch
         "decode_dispatches": 3,
         "decode_steps": 3 * steps,
         "decode_active_row_steps": 2 * 2 * steps,

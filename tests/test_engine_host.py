@@ -56,7 +56,10 @@ def test_a_crowd_larger_than_the_slots_gets_each_request_its_own_tokens(tiny_mod
     counts = llm.engine.dispatch_counts
     assert counts.prefill_tokens == sum(map(len, prompts))
     kinds = {program.kind for program in llm.engine.device.calls}
-    assert kinds == {"prefill", "decode"}
+    # One decode step a dispatch: decode rows ride in the prompt pieces' dispatch when both run.
+    mixing = options["decode_steps"] == 1
+    assert bool(llm.engine.layout.mixed_rows) == mixing
+    assert kinds == {"prefill", "decode"} | ({"mixed"} if mixing else set())
     pieces = [program.rows for program in llm.engine.device.calls if program.kind == "prefill"]
     # The first dispatch takes a prompt into every slot, as far as the budget's pieces reach.
     assert pieces[0] >= min(4, options["max_num_batched_tokens"] // 64)
@@ -87,10 +90,12 @@ def test_no_decode_dispatch_is_sent_for_tokens_past_max_tokens(tiny_model):
         assert len(decodes) == -(-(max_tokens - 1) // 4), max_tokens
 
 
-def test_constrained_rows_are_deferred_and_sampled_under_their_allowed_sets(tiny_model):
-    """A grammar's rows are fed by decode steps but sampled by `sample` dispatches under their
-    bitmask; an unconstrained neighbour's tokens are the fake model's own."""
-    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, max_num_batched_tokens=64, decode_steps=4)
+@pytest.mark.parametrize("steps", [4, 1], ids=["own-dispatch", "mixed"])
+def test_constrained_rows_are_deferred_and_sampled_under_their_allowed_sets(tiny_model, steps):
+    """A grammar's rows are fed by decode steps (in a dispatch of their own, or beside prompt
+    pieces) but sampled by `sample` dispatches under their bitmask; an unconstrained neighbour's
+    tokens are the fake model's own."""
+    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, max_num_batched_tokens=64, decode_steps=steps)
     digits = jinfer.SamplingParams(max_tokens=12, regex="[0-9]{12}", **GREEDY)
     free = jinfer.SamplingParams(max_tokens=20, **GREEDY)
     prompts = _prompts(2, seed=7)
@@ -99,15 +104,20 @@ def test_constrained_rows_are_deferred_and_sampled_under_their_allowed_sets(tiny
     assert plain.token_ids == expected(plain.prompt_token_ids, 20, VOCAB)
     kinds = [program.kind for program in llm.engine.device.calls]
     assert kinds.count("sample") == llm.engine.dispatch_counts.sample_dispatches > 0
+    assert ("mixed" in kinds) == (steps == 1)
 
 
+@pytest.mark.parametrize("kind,nth,steps", [("decode", 2, 2), ("mixed", 1, 1)], ids=["decode", "mixed"])
 @pytest.mark.parametrize("consumed", [False, True], ids=["cache-kept", "cache-consumed"])
-def test_a_failing_dispatch_fails_its_requests_and_the_engine_serves_on(tiny_model, consumed):
-    """A decode dispatch raises: its running requests end with the error; where the failed call
-    consumed the cache the device is reset. The next requests are served exactly."""
-    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, max_num_batched_tokens=64, decode_steps=2)
+def test_a_failing_dispatch_fails_its_requests_and_the_engine_serves_on(
+    tiny_model, consumed, kind, nth, steps
+):
+    """A decode dispatch (or one carrying prompt pieces and the decode rows) raises: the requests
+    it touched end with the error; where the failed call consumed the cache the device is reset.
+    The next requests are served exactly."""
+    llm = _engine_llm(tiny_model, max_slots=4, max_seq_len=128, max_num_batched_tokens=64, decode_steps=steps)
     device = llm.engine.device
-    device.fail("decode", 2, consumed=consumed)
+    device.fail(kind, nth, consumed=consumed)
     failed = _generate(llm, _prompts(2, seed=8), [10, 10])
     assert [c.finish_reason for c in failed] == ["error", "error"]
     assert "simulated device fault" in failed[0].error

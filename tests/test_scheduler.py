@@ -107,6 +107,20 @@ def test_decode_tokens_come_first_and_prompts_fill_the_rest_of_the_budget(tokeni
     ]
 
 
+def test_a_prompt_ending_beside_the_decode_rows_in_one_forward_decodes_from_the_next_plan(tokenizer):
+    s = Scheduler(tokenizer, 4, max_queue=8, token_budget=64, decode_with_prompts=True)
+    first = _request(tokenizer, "first", 5, max_tokens=100)
+    s.submit(first)
+    assert s.plan().decode_owners == [None] * 4  # nothing to ride with: no decode row yet
+    second = _request(tokenizer, "second", 20, max_tokens=100)
+    s.submit(second)
+    plan = s.plan()  # the second's whole prompt and the first's decode row: one forward
+    assert [w.request for w in plan.prefills] == [second] and plan.prefills[0].last
+    assert plan.decode_owners == [first, None, None, None]
+    assert (first.in_flight, second.in_flight) == (2, 1)  # first: prefill's token + this decode's
+    assert s.plan().decode_owners == [first, second, None, None]
+
+
 def test_the_pieces_left_fill_the_bucket_the_dispatch_is_padded_to(tokenizer):
     s = Scheduler(tokenizer, 4, max_queue=8, token_budget=64, piece_buckets=(1, 2, 4))
     first = _request(tokenizer, "first", 5, max_tokens=100)
