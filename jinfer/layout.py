@@ -123,11 +123,12 @@ class Layout:
         rows always get a dispatch of their own). One forward then reads each weight once for both,
         where the decode dispatch beside it would stream them from memory again (at 32 busy slots
         about as long as a piece takes). Only where a decode row's bits cannot depend on the prompt
-        columns beside it: jinfer's CPU kernels for every product (each column one running sum,
+        columns beside it: jinfer's CPU kernels for every product (the packed-weight kernel for
+        float matrices, the quantized one for quantized blocks: each column one running sum,
         whatever shares the call) and for attention; and one plain decode step a dispatch (no
         `lax.scan` of several, no drafts to verify). Two buckets, 8 and every slot: a bucket costs
         a compiled program per piece bucket, and an idle row costs only its columns' products."""
-        kernels = self.attention_kernel == "cpu" and (self.packed_weights or self.quantized_weights)
+        kernels = self.attention_kernel == "cpu" and self.packed_weights
         if not kernels or self.decode_steps != 1 or self.draft_tokens or self.mesh_data > 1:
             return ()
         return tuple(sorted({min(8, self.max_slots), self.max_slots}))

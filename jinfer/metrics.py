@@ -83,6 +83,11 @@ class _DispatchCollector:
                 "jinfer_prefill_dispatches", "Dispatches of prompt pieces", c.prefill_dispatches
             ),
             prefill_tokens,
+            CounterMetricFamily(
+                "jinfer_mixed_dispatches",
+                "Dispatches of prompt pieces that carried a decode step too (counted in both)",
+                c.mixed_dispatches,
+            ),
             CounterMetricFamily("jinfer_decode_dispatches", "Decode dispatches", c.decode_dispatches),
             CounterMetricFamily("jinfer_decode_steps", "Decode steps run on the device", c.decode_steps),
             row_steps,

@@ -6,7 +6,10 @@ prompt in a slot of its own), the engine's compiled prefill program is timed on 
 `--calls` calls), beside a one-step decode of `--decoding` busy slots. With `--position P` each
 piece continues a prompt whose first P positions are cached (a shared prefix's hit): its queries
 attend over them too. A stream running while
-prompts wait gets its next token after one iteration, the prefill plus its decode step. Prints
+prompts wait gets its next token after one iteration: the prefill plus its decode step, or, where
+the layout has it (`Layout.mixed_rows`, one decode step a dispatch), the one mixed program that
+carries the pieces and the decode rows together, timed the same way (its pieces in the slots after
+the decode rows, wrapping round when the rows take them all: the work is the same). Prints
 prompt tokens/s and the prefill's MFU (useful FLOPs over the float32 matmul rate measured in the
 same run) for each, which is what `max_num_batched_tokens` trades: more tokens an iteration run
 closer to the FLOP ceiling and admit a burst sooner, and stretch every running stream's step.
@@ -33,17 +36,19 @@ from jinfer.inputs import Program, neutral_inputs
 from jinfer.kv_cache import contiguous_tables
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.state import pack_piece, pack_pieces
-from jinfer.steps import prefill_program
+from jinfer.steps import mixed_program, prefill_program
 
 SLOTS = 32
 
 
-def pieces_chunk(pieces: int, vocab: int, position: int):
-    """`pieces` prompt pieces, piece i in slot i from `position` (the last of its prompt), greedy."""
+def pieces_chunk(pieces: int, vocab: int, position: int, first_slot: int = 0):
+    """`pieces` prompt pieces, piece i in slot first_slot + i (modulo the slots) from `position`
+    (the last of its prompt), greedy."""
     greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0).resolve()], [0])
     rng, rows = np.random.RandomState(0), []
-    for slot in range(pieces):
+    for piece in range(pieces):
         tokens = rng.randint(1000, vocab - 1, PROMPT_PIECE).astype(np.int32)
+        slot = (first_slot + piece) % SLOTS
         flags = {"slot": slot, "start": position, "length": PROMPT_PIECE, "last": True, "generated": 0}
         rows.append(
             pack_piece(tokens, **flags, min_tokens=0, bias={}, stop_ids=(), sampling=greedy, vocab=vocab)
@@ -65,6 +70,16 @@ def time_prefill(device, pieces: int, vocab: int, position: int, calls: int) -> 
     """Best seconds of the prefill program over `pieces` one-piece prompt ends at `position`."""
     program, chunk = prefill_program(pieces), pieces_chunk(pieces, vocab, position)
     inputs = neutral_inputs(pieces).replace(steps=np.ones(pieces, np.int32))
+    return best_seconds(lambda: device.dispatch(program, inputs, chunk).chunk.tokens, calls)
+
+
+def time_mixed(device, pieces: int, decoding: int, vocab: int, position: int, calls: int) -> float:
+    """Best seconds of the mixed program over `pieces` pieces and `decoding` busy decode rows."""
+    layout = device.steps.layout
+    program = mixed_program(layout.mixed_bucket(decoding), pieces)
+    chunk = pieces_chunk(pieces, vocab, position, first_slot=decoding)
+    steps = np.concatenate([np.arange(program.rows) < decoding, np.ones(pieces, bool)]).astype(np.int32)
+    inputs = neutral_inputs(program.input_rows).replace(steps=steps)
     return best_seconds(lambda: device.dispatch(program, inputs, chunk).chunk.tokens, calls)
 
 
@@ -107,12 +122,17 @@ def main() -> int:
         mfu = pieces * flops / seconds / peak
         entry = {"pieces": pieces, "tokens": tokens, "prefill_ms": seconds * 1e3, "mfu": mfu}
         entry |= {"tokens_per_s": tokens / seconds, "stream_wait_ms": (seconds + step_s) * 1e3}
+        mixed = "-"
+        if layout.mixed_rows:
+            mixed_s = time_mixed(device, pieces, args.decoding, vocab, args.position, args.calls)
+            entry["mixed_ms"] = mixed = mixed_s * 1e3
         result["pieces"].append(entry)
         rows.append(
-            [pieces, tokens, entry["prefill_ms"], entry["tokens_per_s"], mfu, entry["stream_wait_ms"]]
+            [pieces, tokens, entry["prefill_ms"], entry["tokens_per_s"], mfu, entry["stream_wait_ms"], mixed]
         )
-        progress(f"  {pieces} pieces: {entry['prefill_ms']:.0f} ms, MFU {mfu:.2f}")
+        progress(f"  {pieces} pieces: {entry['prefill_ms']:.0f} ms, MFU {mfu:.2f}, mixed {mixed} ms")
     columns = ["pieces", "prompt tokens", "prefill ms", "prompt tokens/s", "MFU", "a stream's step, ms"]
+    columns.append("mixed (pieces + decode rows in one), ms")
     table = markdown_table(columns, rows) + (
         f"\n\nPieces from position {args.position}. "
         f"A decode step of {args.decoding} busy slots alone: {step_s * 1e3:.1f} ms. "
