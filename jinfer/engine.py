@@ -34,7 +34,7 @@ from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
 from jinfer.compile_cache import tally
 from jinfer.config import PROMPT_PIECE, EngineConfig
-from jinfer.inputs import Program, RowInputs, RowProcessor, processor_inputs, row_inputs
+from jinfer.inputs import Program, RowInputs, RowProcessor, decode_inputs, processor_inputs, row_inputs
 from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
 from jinfer.paging import SINK_PAGE, SequencePages
@@ -327,7 +327,7 @@ class Engine:
         chunk, piece_owners, ending = self._pieces(works)
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
         owners = plan.decode_owners[: self.layout.mixed_bucket(busy[-1] + 1)]
-        inputs = self._decode_inputs(owners, 1, allowed, pieces=piece_owners)
+        inputs = decode_inputs(owners, 1, allowed, self.steps.processors, pieces=piece_owners)
         try:
             for work in works:
                 self._set_history(work)
@@ -348,7 +348,7 @@ class Engine:
         busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
         rows = self.layout.slot_bucket(busy[-1] + 1)
         owners, steps = plan.decode_owners[:rows], self.layout.decode_steps
-        inputs = self._decode_inputs(owners, steps, allowed)
+        inputs = decode_inputs(owners, steps, allowed, self.steps.processors)
         attn_len = self._attention_length(owners)
         verifying = None
         if self.speculation:
@@ -376,21 +376,6 @@ class Engine:
         if deferred.any():
             self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
         return [Pending(taking, out.rows, verified)]
-
-    def _decode_inputs(self, owners: list, steps: int, allowed, pieces: list = ()) -> RowInputs:
-        """The inputs of a decode dispatch over `owners`' rows, then (a mixed dispatch) a row per
-        prompt piece, whose request (`pieces`) may want log-probs too."""
-        row_steps = [0 if r is None else r.dispatch_tokens(steps) for r in owners]
-        deferred = [r is not None and r.constraint is not None for r in owners]
-        sampled = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
-        sampled += [r for r in pieces if r is not None]
-        return self._inputs(
-            [*owners, *pieces],
-            steps=np.array(row_steps + [1] * len(pieces), np.int32),
-            deferred=np.array(deferred + [False] * len(pieces)),
-            want_logprobs=np.bool_(any(r.sampling.logprobs is not None for r in sampled)),
-            allowed=allowed,
-        )
 
     def _inputs(self, owners: list, **fields) -> RowInputs:
         """A dispatch's inputs, a row per owner (`jinfer.inputs.row_inputs`)."""

@@ -11,9 +11,10 @@ and everything else follows from that declaration:
   * the cluster's messages (`jinfer.cluster` encodes any `struct.dataclass` field by field).
 
 Rows ("rows") are a decode dispatch's rows, slots 0..rows-1, or a prefill dispatch's prompt
-pieces, one row each (`jinfer.state.PrefillChunk`). A new per-row feature (an
-adapter index, a steering row, a processor's parameters) is one field here plus its use in the
-steps; rows that do not use it get its neutral value.
+pieces, one row each (`jinfer.state.PrefillChunk`), or a mixed dispatch's decode rows and then its
+pieces (`decode_inputs` builds a decode or mixed dispatch's rows from their requests). A new
+per-row feature (an adapter index, a steering row, a processor's parameters) is one field here
+plus its use in the steps; rows that do not use it get its neutral value.
 
 Per-row inputs of the engine's own features are fields here. A logits processor the engine is
 built with (`RowProcessor`: `LLM(logits_processors=...)`) declares its input the same way, and its
@@ -172,6 +173,25 @@ def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -
             if request is not None:
                 values[row] = request.processor_inputs[processor.name]
     return inputs.replace(**fields)
+
+
+def decode_inputs(owners: Sequence, steps: int, allowed, processors, pieces: Sequence = ()) -> RowInputs:
+    """The inputs of a decode dispatch of `steps` steps over `owners`' rows (requests, or None),
+    then, for a mixed dispatch, a row per prompt piece (its request in `pieces`): each request's
+    steps (`Request.dispatch_tokens`), a constrained one's row deferred, log-probs when a sampled
+    row's request asks."""
+    row_steps = [0 if r is None else r.dispatch_tokens(steps) for r in owners]
+    deferred = [r is not None and r.constraint is not None for r in owners]
+    sampled = [r for r, d in zip(owners, deferred, strict=True) if r is not None and not d]
+    sampled += [r for r in pieces if r is not None]
+    return row_inputs(
+        [*owners, *pieces],
+        processors,
+        steps=np.array(row_steps + [1] * len(pieces), np.int32),
+        deferred=np.array(deferred + [False] * len(pieces)),
+        want_logprobs=np.bool_(any(r.sampling.logprobs is not None for r in sampled)),
+        allowed=allowed,
+    )
 
 
 class Program(NamedTuple):
