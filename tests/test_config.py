@@ -225,3 +225,29 @@ def test_slots_follow_the_hardware_and_share_a_pool_sized_apart_from_them():
     assert layout(max_seq_len=1000, mesh_data=2).max_slots == 16  # every slot runs: 8 per shard
     assert resolve_slots(EngineConfig(), "gpu") == ACCELERATOR_SLOTS
     assert int_or_auto("auto") is None and int_or_auto("12") == 12
+
+
+def test_decode_rows_ride_with_prompt_pieces_only_where_the_kernels_keep_their_bits():
+    import dataclasses
+
+    from jinfer.config import EngineConfig
+    from jinfer.layout import resolve_layout
+
+    model = ModelConfig("llama", 320, 64, 128, 2, 4, 2, 16)
+    config = EngineConfig(packed_weights=False, page_size=16, decode_steps=1, max_seq_len=1000)
+    sizes = {"cache_bytes_per_token": 64, "weight_bytes": 0, "available_bytes": 2**30}
+    base = resolve_layout(config, model, 1, **sizes)
+    kernels = dataclasses.replace(base, attention_kernel="cpu", packed_weights=True)
+    assert kernels.mixed_rows == (8, 32) and kernels.mixed_bucket(5) == 8 and kernels.mixed_bucket(9) == 32
+    assert dataclasses.replace(kernels, max_slots=4).mixed_rows == (4,)
+    # Anywhere a decode row's bits could depend on the prompt columns beside it, or a dispatch
+    # decodes more than one plain step, decode rows keep a dispatch of their own.
+    for other in (
+        dict(packed_weights=False),  # XLA's dot
+        dict(attention_kernel=None),  # XLA's einsums
+        dict(attention_kernel="gpu"),
+        dict(decode_steps=4),
+        dict(draft_tokens=2),
+        dict(mesh_data=2),
+    ):
+        assert dataclasses.replace(kernels, **other).mixed_rows == (), other
