@@ -17,7 +17,12 @@ users would pass for this machine: `jinfer serve --max-slots 32` (else its defau
 16384`; each started before timing and asked one warm-up request.
 
     python scripts/bench_peers.py [--servers jinfer,vllm,llama] [--weights f32,q4_1]
-        [--workloads one_user,crowd,poisson,shared_prefix] [--rounds 1] [--work DIR] [--out results]
+        [--workloads one_user,crowd,poisson,shared_prefix] [--rounds 1] [--isa native|avx2]
+        [--work DIR] [--out results]
+
+`--isa avx2` stands in for a CPU without AVX-512 on one that has it: jinfer's kernels built with
+`-mno-avx512f` (JINFER_KERNEL_CXXFLAGS; XLA's own code still uses what the CPU has) and a second
+llama-server built for AVX2 alone (GGML_NATIVE off, AVX/AVX2/FMA/F16C on, AVX-512 off).
 
 Writes results/bench_peers.{json,md}: per workload, server and weights, output tokens/s, TTFT
 p50/p99, TPOT p50, ITL p99 and requests completed (the client's own figures), and jinfer's ratio to
@@ -83,21 +88,35 @@ def vllm_venv(work: str) -> str:
     return os.path.join(venv, "bin")
 
 
-def llama_server(work: str) -> str:
-    """llama-server built from the llama-cpp-python source archive (once)."""
+# llama-server's CMake flags per --isa, beside the common ones.
+LLAMA_ISA_FLAGS = {
+    "native": [
+        "-DGGML_NATIVE=ON",
+        # -march=native turns on llama.cpp's AMX kernels where the CPU lists AMX, and they die of
+        # SIGILL in VMs that do not grant the tile state (its Q4_1 path here); jinfer uses none.
+        "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+        "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    ],
+    "avx2": [
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{isa}=ON" for isa in ("AVX", "AVX2", "FMA", "F16C", "BMI2")),
+        "-DGGML_AVX512=OFF",
+    ],
+}
+JINFER_ISA_FLAGS = {"native": "", "avx2": "-mno-avx512f"}  # JINFER_KERNEL_CXXFLAGS
+
+
+def llama_server(work: str, isa: str) -> str:
+    """llama-server built from the llama-cpp-python source archive (once per --isa)."""
     root = llama_cpp_source(os.path.join(work, "src"), ("",))
-    build = os.path.join(work, "llama-build")
+    build = os.path.join(work, "llama-build" if isa == "native" else f"llama-build-{isa}")
     binary = os.path.join(build, "bin", "llama-server")
     if not os.path.exists(binary):
         flags = [
             "-DCMAKE_BUILD_TYPE=Release",
             "-DLLAMA_CURL=OFF",
-            "-DGGML_NATIVE=ON",
             "-DLLAMA_BUILD_SERVER=ON",
-            # -march=native turns on llama.cpp's AMX kernels where the CPU lists AMX, and they die of
-            # SIGILL in VMs that do not grant the tile state (its Q4_1 path here); jinfer uses none.
-            "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-            "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+            *LLAMA_ISA_FLAGS[isa],
         ]
         subprocess.run(["cmake", "-S", root, "-B", build, *flags], check=True, capture_output=True)
         jobs = str(os.cpu_count())
@@ -105,10 +124,12 @@ def llama_server(work: str) -> str:
     return binary
 
 
-def server_command(server: str, weights: dict, work: str, port: int) -> tuple[list[str], dict, str]:
+def server_command(server: str, weights: dict, work: str, port: int, isa: str) -> tuple[list[str], dict, str]:
     """How `server` is started on `weights` (command, environment, readiness path)."""
     env = dict(os.environ)
     if server == "jinfer":
+        if JINFER_ISA_FLAGS[isa]:
+            env["JINFER_KERNEL_CXXFLAGS"] = JINFER_ISA_FLAGS[isa]
         command = [sys.executable, "-m", "jinfer.cli", "serve", "--model", weights["jinfer"]]
         return (
             [*command, "--port", str(port), "--served-model-name", NAME, "--max-slots", "32"],
@@ -123,14 +144,14 @@ def server_command(server: str, weights: dict, work: str, port: int) -> tuple[li
             env,
             "/health",
         )
-    command = [llama_server(work), "-m", weights["gguf"], "--port", str(port), "-a", NAME, "-np", "8"]
+    command = [llama_server(work, isa), "-m", weights["gguf"], "--port", str(port), "-a", NAME, "-np", "8"]
     return [*command, "-c", "16384", "-t", str(os.cpu_count())], env, "/health"
 
 
 @contextlib.contextmanager
-def running(server: str, weights: dict, work: str):
+def running(server: str, weights: dict, work: str, isa: str):
     port = free_port()
-    command, env, ready = server_command(server, weights, work, port)
+    command, env, ready = server_command(server, weights, work, port, isa)
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -174,12 +195,14 @@ def bench(work: str, base: str, tokenizer: str, workload: list[str], scratch: st
     return {**{key: result.get(key) for key in KEYS}, "failures": failures}
 
 
-def measure(server: str, all_weights: dict, name: str, work: str, workloads: list[str]) -> list[dict]:
+def measure(
+    server: str, all_weights: dict, name: str, work: str, workloads: list[str], isa: str
+) -> list[dict]:
     """Start `server` on weights `name`, warm it with one short request, run each workload."""
     tokenizer, runs = all_weights["f32"]["hf"], []
     warm_up = [*WORKLOADS["one_user"][:4], "--num-prompts", "1"]
     with (
-        running(server, all_weights[name], work) as (base, started),
+        running(server, all_weights[name], work, isa) as (base, started),
         tempfile.TemporaryDirectory() as scratch,
     ):
         bench(work, base, tokenizer, warm_up, scratch)
@@ -209,6 +232,7 @@ def main() -> int:
     parser.add_argument("--weights", default="f32,q4_1")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--isa", choices=sorted(LLAMA_ISA_FLAGS), default="native")
     parser.add_argument("--work", default=os.path.join("results", ".peers"))
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
@@ -223,7 +247,7 @@ def main() -> int:
     for round_ in range(args.rounds):
         for server, name in setups if round_ % 2 == 0 else setups[::-1]:
             progress(f"round {round_ + 1}: {server} on {name}")
-            for run in measure(server, all_weights, name, work, args.workloads.split(",")):
+            for run in measure(server, all_weights, name, work, args.workloads.split(","), args.isa):
                 runs.append({"round": round_ + 1, **run})
                 progress(f"  {run}")
     rows = [[r["workload"], r["weights"], r["server"], r["round"], *(r[k] for k in KEYS)] for r in runs]
