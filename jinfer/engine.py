@@ -317,6 +317,10 @@ class Engine:
         except Exception as e:  # a device failure must not kill the engine
             self._recover([w.request for w in works], e)
             return []
+        return self._pieces_pending(works, ending, out, program)
+
+    def _pieces_pending(self, works: list[PrefillWork], ending: list, out, program: Program) -> list[Pending]:
+        """Count a dispatch's prompt pieces; the pending record of those that end a prompt."""
         self.dispatch_counts.count_prefill(sum(len(w.tokens) for w in works), program.chunk)
         return [Pending(ending, out.chunk)] if any(ending) else []
 
@@ -325,8 +329,7 @@ class Engine:
         pending records of the pieces that end a prompt and of the rows."""
         works = plan.prefills
         chunk, piece_owners, ending = self._pieces(works)
-        busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
-        owners = plan.decode_owners[: self.layout.mixed_bucket(busy[-1] + 1)]
+        owners = plan.decode_owners[: self.layout.mixed_bucket(plan.decode_span)]
         inputs = decode_inputs(owners, 1, allowed, self.steps.processors, pieces=piece_owners)
         try:
             for work in works:
@@ -336,17 +339,14 @@ class Engine:
         except Exception as e:
             self._recover([w.request for w in works] + [r for r in owners if r is not None], e)
             return []
-        self.dispatch_counts.count_prefill(sum(len(w.tokens) for w in works), program.chunk)
         self.dispatch_counts.count_decode(program.kind, 1, inputs.steps[: len(owners)])
         self.dispatch_counts.mixed_dispatches += 1
-        pending = [Pending(ending, out.chunk)] if any(ending) else []
-        return pending + self._decode_pending(owners, inputs, out)
+        return self._pieces_pending(works, ending, out, program) + self._decode_pending(owners, inputs, out)
 
     def _dispatch_decode(self, plan: Plan, allowed) -> list[Pending]:
         """The decode dispatch over the plan's rows: plain steps or verify steps; the pending record
         of its rows."""
-        busy = [slot for slot, r in enumerate(plan.decode_owners) if r is not None]
-        rows = self.layout.slot_bucket(busy[-1] + 1)
+        rows = self.layout.slot_bucket(plan.decode_span)
         owners, steps = plan.decode_owners[:rows], self.layout.decode_steps
         inputs = decode_inputs(owners, steps, allowed, self.steps.processors)
         attn_len = self._attention_length(owners)

@@ -65,6 +65,11 @@ class Plan:
     def decodes(self) -> bool:
         return any(r is not None for r in self.decode_owners)
 
+    @property
+    def decode_span(self) -> int:
+        """The decode rows a dispatch must cover: the highest busy slot + 1 (0: none)."""
+        return max((slot + 1 for slot, r in enumerate(self.decode_owners) if r is not None), default=0)
+
 
 class Scheduler:
     def __init__(
