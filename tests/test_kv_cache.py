@@ -229,6 +229,38 @@ def test_cpu_attention_query_does_not_depend_on_the_others_in_the_call(page_size
             np.testing.assert_array_equal(np.asarray(alone)[0, :, :, 0], together[b, :, :, t])
 
 
+@pytest.mark.parametrize(("page_size", "window", "tokens"), [(64, 0, 1), (16, 0, 3), (32, 200, 1)])
+def test_cpu_attention_rows_sharing_a_prefix_give_the_bits_they_give_alone(page_size, window, tokens):
+    """Rows whose first pages are the same (a cached prefix) go through those keys together, the
+    kernel reading each block once for all of them: each row's output is still the same bits as
+    alone, and XLA's attention over its keys agrees. More rows than go through a range together, at
+    positions inside the prefix, past it, and in different key splits."""
+    assert cpu_attention.available()
+    rng = np.random.RandomState(2)
+    rows, kv_heads, groups, head_dim = 20, 2, 3, 64
+    prefix_pages, own_pages = 640 // page_size, 256 // page_size
+    max_pages = prefix_pages + own_pages
+    pool_pages = 1 + prefix_pages + rows * own_pages
+    pools = [rng.randn(kv_heads, pool_pages, page_size, head_dim).astype(np.float32) for _ in "kv"]
+    tables = np.zeros((rows, max_pages), np.int32)
+    tables[:, :prefix_pages] = 1 + np.arange(prefix_pages)
+    tables[:, prefix_pages:] = 1 + prefix_pages + np.arange(rows * own_pages).reshape(rows, own_pages)
+    q = rng.randn(rows, kv_heads, groups, tokens, head_dim).astype(np.float32)
+    ends = np.where(np.arange(rows) % 5 == 4, 300, 700 + 7 * np.arange(rows))  # some inside the prefix
+    positions = ends[:, None] - tokens + 1 + np.arange(tokens)
+    call = jax.jit(cpu_attention.attention, static_argnums=5)
+    together = np.asarray(call(q, *map(jnp.asarray, pools), tables, positions, window))
+    for b in range(rows):
+        alone = call(q[b : b + 1], *map(jnp.asarray, pools), tables[b : b + 1], positions[b : b + 1], window)
+        np.testing.assert_array_equal(np.asarray(alone)[0], together[b])
+    rows_k, rows_v = (
+        np.stack([pool[:, tables[b]].reshape(kv_heads, -1, head_dim) for b in range(rows)]) for pool in pools
+    )
+    key_positions = np.broadcast_to(np.arange(max_pages * page_size), (rows, max_pages * page_size))
+    want = np.asarray(attention.attention(q, rows_k, rows_v, positions, key_positions, window))
+    assert np.abs(together - want).max() <= 2e-6
+
+
 def test_cpu_attention_kernel_that_cannot_be_built_leaves_xla_attention(
     tmp_path, monkeypatch, caplog, tiny_model
 ):

@@ -5,8 +5,10 @@
 // read a fixed bucket of each row (gathering it out of the cache first) through small batched
 // products. This kernel reads each sequence's pages in place, only the keys its queries can see,
 // once: per (sequence, kv head) it streams blocks of keys and values (never crossing a page)
-// through L1 with an online softmax, and XLA's own CPU threads share the (sequence, kv head, key
-// range) tasks.
+// through L1 with an online softmax, and XLA's own CPU threads share the (sequences, kv head, key
+// range) tasks. Sequences whose keys in a range lie on the same pages (a cached prefix they
+// share) go through it in one task, so that a block read from memory serves all of their queries:
+// 32 decode rows over one long prefix read it once, not 32 times.
 //
 // Operands (all row-major, float32 except the int32 indices):
 //   q         [B, K, G, T, H]  queries grouped by kv head (T tokens per sequence: 1 when decoding)
@@ -29,6 +31,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -279,31 +282,39 @@ inline float Softmax(float* scores, int64_t begin, int64_t end, float& max, floa
   return rescale;
 }
 
-// NQ queries (indices query[0..NQ), one position) over keys [begin, end) of a block whose rows
-// start at key_rows and value_rows.
+// A query's online-softmax state for the keys of one task, one record: output sums acc [H], then
+// the running max and denominator (two pointers a query, where three arrays took four).
+inline int64_t StateFloats(int64_t H) { return (H + 2 + 15) / 16 * 16; }  // whole cache lines
+
+// A query: its row of q [H] and its state.
+struct Query {
+  const float* q;
+  float* state;
+};
+
+// NQ queries (one position) over keys [begin, end) of a block whose rows start at key_rows and
+// value_rows.
 template <int NQ>
-void AttendBlock(const Dims& d, const float* q, const int64_t* query, const float* key_rows,
-                 const float* value_rows, int64_t begin, int64_t end, float scale, float* max,
-                 float* denominator, float* acc) {
-  const int64_t H = d.head_dim;
+void AttendBlock(int64_t H, const Query* query, const float* key_rows, const float* value_rows,
+                 int64_t begin, int64_t end, float scale) {
   alignas(32) float scores[NQ][kBlock];
   const float* qa[NQ];
   float* sa[NQ];
-  for (int a = 0; a < NQ; ++a) qa[a] = q + query[a] * H, sa[a] = scores[a] + begin;
+  for (int a = 0; a < NQ; ++a) qa[a] = query[a].q, sa[a] = scores[a] + begin;
   Scores<NQ>(qa, key_rows + begin * H, end - begin, H, scale, sa);
   float rescale[NQ];
   for (int a = 0; a < NQ; ++a)
-    rescale[a] = Softmax(scores[a], begin, end, max[query[a]], denominator[query[a]]);
+    rescale[a] = Softmax(scores[a], begin, end, query[a].state[H], query[a].state[H + 1]);
   const float* v_rows = value_rows + begin * H;
   const float* const* p = sa;
   float* out[NQ];
   int64_t h = 0;
   for (; h + 64 <= H; h += 64) {
-    for (int a = 0; a < NQ; ++a) out[a] = acc + query[a] * H + h;
+    for (int a = 0; a < NQ; ++a) out[a] = query[a].state + h;
     Accumulate<NQ, 64 / kWideLanes, Wide>(out, p, v_rows + h, end - begin, H, rescale);
   }
   for (; h < H; h += 8) {
-    for (int a = 0; a < NQ; ++a) out[a] = acc + query[a] * H + h;
+    for (int a = 0; a < NQ; ++a) out[a] = query[a].state + h;
     Accumulate<NQ, 1, f8>(out, p, v_rows + h, end - begin, H, rescale);
   }
 }
@@ -316,52 +327,60 @@ struct Block {
 
 // AttendBlock over `count` (at most N) queries that see keys [begin, end) of the block.
 template <int N>
-void AttendSome(int count, const Dims& d, const float* q, const int64_t* query, const Block& block,
-                int64_t begin, int64_t end, float scale, float* max, float* denominator, float* acc) {
+void AttendSome(int count, int64_t H, const Query* query, const Block& block, int64_t begin,
+                int64_t end, float scale) {
   if constexpr (N > 1) {
-    if (count < N)
-      return AttendSome<N - 1>(count, d, q, query, block, begin, end, scale, max, denominator, acc);
+    if (count < N) return AttendSome<N - 1>(count, H, query, block, begin, end, scale);
   }
-  AttendBlock<N>(d, q, query, block.key_rows, block.value_rows, begin, end, scale, max, denominator,
-                 acc);
+  AttendBlock<N>(H, query, block.key_rows, block.value_rows, begin, end, scale);
 }
 
-// Every query (q [Q, H], query g * T + t at position positions[t]) over the keys of the block it
-// sees; those that see the same ones kQueriesTogether at a time, token after token.
-void AttendBlockQueries(const Dims& d, const float* q, const Block& block, const int32_t* positions,
-                        int64_t window, float scale, float* max, float* denominator, float* acc) {
-  int64_t query[kQueriesTogether];
+// One kv head of one sequence in a task: its queries q [Q, H] (query g * T + t at position
+// positions[t]) and their states for the task's keys, one after the other.
+struct Sequence {
+  const float* q;
+  const int32_t* positions;
+  float* states;
+  Query At(int64_t query, int64_t H) const { return {q + query * H, states + query * StateFloats(H)}; }
+};
+
+// Every query of the sequences (which share this block's pages) over the keys of the block it
+// sees; those that see the same ones kQueriesTogether at a time, sequence after sequence, token
+// after token.
+void AttendBlockQueries(const Dims& d, const Sequence* sequences, int64_t count_sequences,
+                        const Block& block, int64_t window, float scale) {
+  Query query[kQueriesTogether];
   int count = 0;
   int64_t begin = 0, end = 0;  // the keys the gathered queries see
   auto flush = [&] {
-    if (count) AttendSome<kQueriesTogether>(count, d, q, query, block, begin, end, scale, max,
-                                            denominator, acc);
+    if (count) AttendSome<kQueriesTogether>(count, d.head_dim, query, block, begin, end, scale);
     count = 0;
   };
-  for (int64_t t = 0; t < d.tokens; ++t) {
-    const int64_t position = positions[t];
-    const int64_t first = window ? std::max<int64_t>(0, position - window + 1) : 0;
-    const int64_t sees_from = std::max<int64_t>(first - block.j0, 0);
-    const int64_t sees_to = std::min<int64_t>(position - block.j0 + 1, block.n);
-    if (sees_from >= sees_to) continue;  // nothing this position sees in the block (or at all)
-    if (sees_from != begin || sees_to != end) {
-      flush();
-      begin = sees_from, end = sees_to;
-    }
-    for (int64_t g = 0; g < d.groups; ++g) {
-      query[count++] = g * d.tokens + t;
-      if (count == kQueriesTogether) flush();
+  for (int64_t s = 0; s < count_sequences; ++s) {
+    for (int64_t t = 0; t < d.tokens; ++t) {
+      const int64_t position = sequences[s].positions[t];
+      const int64_t first = window ? std::max<int64_t>(0, position - window + 1) : 0;
+      const int64_t sees_from = std::max<int64_t>(first - block.j0, 0);
+      const int64_t sees_to = std::min<int64_t>(position - block.j0 + 1, block.n);
+      if (sees_from >= sees_to) continue;  // nothing this position sees in the block (or at all)
+      if (sees_from != begin || sees_to != end) {
+        flush();
+        begin = sees_from, end = sees_to;
+      }
+      for (int64_t g = 0; g < d.groups; ++g) {
+        query[count++] = sequences[s].At(g * d.tokens + t, d.head_dim);
+        if (count == kQueriesTogether) flush();
+      }
     }
   }
   flush();
 }
 
-// The queries of one (sequence, kv head) over keys [lo, hi): q [Q, H] (query g * T + t at position
-// positions[t]), the sequence's key and value rows of that head; online-softmax state per query:
-// running max and denominator [Q], output sums acc [Q, H].
-void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& values,
-                 const int32_t* positions, int64_t window, float scale, int64_t lo, int64_t hi,
-                 float* max, float* denominator, float* acc) {
+// The queries of the sequences over keys [lo, hi), which lie on the same pages for all of them
+// (keys and values: that head's rows of any one of them).
+void AttendRange(const Dims& d, const Sequence* sequences, int64_t count_sequences,
+                 const Rows& keys, const Rows& values, int64_t window, float scale, int64_t lo,
+                 int64_t hi) {
   const int64_t H = d.head_dim;
   // Blocks on the fixed grid: from a multiple of kBlock, to the next one or the page's end.
   for (int64_t j0 = lo / kBlock * kBlock, j1; j0 < hi; j0 = j1) {
@@ -380,20 +399,41 @@ void AttendRange(const Dims& d, const float* q, const Rows& keys, const Rows& va
       }
     }
     const Block block{j0, n, key_rows, value_rows};
-    AttendBlockQueries(d, q, block, positions, window, scale, max, denominator, acc);
+    AttendBlockQueries(d, sequences, count_sequences, block, window, scale);
   }
 }
 
-// Tasks are (sequence, kv head, split) triples (run with jinfer::RunTasks).
+// A task: one kv head, one split, the batch entries members[first, first + count) that see the
+// same keys of the split on the same pages (a prefix they share).
+struct Task {
+  int64_t kv_head, split, first, count;
+};
+
+// Queries per task at most, in whole batch entries: a block of keys read from memory serves all
+// of a task's queries, so entries with few queries each (decode rows, short verify steps) share a
+// task, while a prompt piece's queries already use each block enough and keep a task of their
+// own (its state then stays in cache, and more tasks keep the threads busy).
+constexpr int64_t kQueriesPerTask = 48;
+
+// Tasks are run with jinfer::RunTasks; each entry's state is kept per (entry, kv head, split).
 struct Job {
   Dims d;
   const float *q, *pool_k, *pool_v;
   const int32_t *tables, *positions;
-  int64_t window, splits, tasks;
+  int64_t window, splits;
   float scale;
   std::vector<int64_t> lo, hi;  // per batch entry: the keys any of its queries sees, [lo, hi)
-  // Online-softmax state per task and query: running max, denominator, output sums [H].
-  std::vector<float> max, denominator, acc;
+  std::vector<int64_t> members;
+  std::vector<Task> tasks;
+  // Online-softmax state per (entry, kv head, split) and query (StateFloats each).
+  std::vector<float> states;
+
+  // Allocates every query's state: no sums, no keys seen.
+  void ClearStates() {
+    const int64_t H = d.head_dim, size = StateFloats(H);
+    states.assign(d.batch * d.kv_heads * splits * d.queries() * size, 0.0f);
+    for (int64_t at = 0; at < static_cast<int64_t>(states.size()); at += size) states[at + H] = kNegInf;
+  }
 
   // Fills lo and hi; returns the longest range.
   int64_t KeyRanges() {
@@ -412,19 +452,67 @@ struct Job {
     return longest;
   }
 
-  void Run(int64_t task) {
-    const int64_t split = task % splits, pair = task / splits;
-    const int64_t b = pair / d.kv_heads, k = pair % d.kv_heads;
-    const int64_t Q = d.queries(), H = d.head_dim;
-    const int64_t begin = std::max(lo[b], split * kSplitKeys);
-    const int64_t end = std::min(hi[b], (split + 1) * kSplitKeys);
-    if (begin >= end) return;
+  // Entry b's keys in the split: [begin, end), empty where it sees none there.
+  std::pair<int64_t, int64_t> SplitKeys(int64_t b, int64_t split) const {
+    return {std::max(lo[b], split * kSplitKeys), std::min(hi[b], (split + 1) * kSplitKeys)};
+  }
+
+  // Whether entries a and b see the same keys of the split on the same pages.
+  bool SameKeys(int64_t a, int64_t b, int64_t split) const {
+    const auto keys = SplitKeys(a, split);
+    if (keys != SplitKeys(b, split)) return false;
+    const int32_t *table_a = tables + a * d.max_pages, *table_b = tables + b * d.max_pages;
+    for (int64_t page = keys.first / d.page_size; page * d.page_size < keys.second; ++page)
+      if (table_a[page] != table_b[page]) return false;
+    return true;
+  }
+
+  // Groups the entries that share a split's keys (kQueriesPerTask queries at most, at least one
+  // entry) into tasks, one per kv head; the largest first, so that the threads end together.
+  void PlanTasks() {
+    const int64_t together = std::max<int64_t>(1, kQueriesPerTask / d.queries());
+    for (int64_t split = 0; split < splits; ++split) {
+      std::vector<std::vector<int64_t>> groups;
+      for (int64_t b = 0; b < d.batch; ++b) {
+        const auto keys = SplitKeys(b, split);
+        if (keys.first >= keys.second) continue;
+        auto fits = [&](const std::vector<int64_t>& group) {
+          return static_cast<int64_t>(group.size()) < together &&
+                 SameKeys(group[0], b, split);
+        };
+        const auto group = std::find_if(groups.begin(), groups.end(), fits);
+        if (group == groups.end()) groups.push_back({b});
+        else group->push_back(b);
+      }
+      for (const auto& group : groups) {
+        for (int64_t k = 0; k < d.kv_heads; ++k) {
+          tasks.push_back({k, split, static_cast<int64_t>(members.size()),
+                           static_cast<int64_t>(group.size())});
+        }
+        members.insert(members.end(), group.begin(), group.end());
+      }
+    }
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [](const Task& x, const Task& y) { return x.count > y.count; });
+  }
+
+  void Run(int64_t index) {
+    const Task& task = tasks[index];
+    const int64_t Q = d.queries(), H = d.head_dim, k = task.kv_head;
+    Sequence sequences[kQueriesPerTask];
+    for (int64_t i = 0; i < task.count; ++i) {
+      const int64_t b = members[task.first + i];
+      const int64_t state = ((b * d.kv_heads + k) * splits + task.split) * Q;
+      sequences[i] = {q + (b * d.kv_heads + k) * Q * H, positions + b * d.tokens,
+                      &states[state * StateFloats(H)]};
+    }
+    const int64_t b = members[task.first];
+    const auto [begin, end] = SplitKeys(b, task.split);
     const int64_t head_offset = k * d.pages * d.page_size * H;
     const int32_t* table = tables + b * d.max_pages;
     const Rows keys{pool_k + head_offset, table, d.page_size, H};
     const Rows values{pool_v + head_offset, table, d.page_size, H};
-    AttendRange(d, q + (b * d.kv_heads + k) * Q * H, keys, values, positions + b * d.tokens, window,
-                scale, begin, end, &max[task * Q], &denominator[task * Q], &acc[task * Q * H]);
+    AttendRange(d, sequences, task.count, keys, values, window, scale, begin, end);
   }
 
   // out[b, k] = the splits' sums, each rescaled to the common maximum, over their denominators.
@@ -432,18 +520,18 @@ struct Job {
     const int64_t Q = d.queries(), H = d.head_dim;
     for (int64_t pair = 0; pair < d.batch * d.kv_heads; ++pair) {
       for (int64_t query = 0; query < Q; ++query) {
-        auto at = [&](int64_t s) { return (pair * splits + s) * Q + query; };
+        auto at = [&](int64_t s) { return &states[((pair * splits + s) * Q + query) * StateFloats(H)]; };
         float top = kNegInf;
-        for (int64_t s = 0; s < splits; ++s) top = std::max(top, max[at(s)]);
+        for (int64_t s = 0; s < splits; ++s) top = std::max(top, at(s)[H]);
         float* o = out + (pair * Q + query) * H;
         std::fill(o, o + H, 0.0f);
         if (top == kNegInf) continue;  // no visible key
         float total = 0.0f;
         for (int64_t s = 0; s < splits; ++s) {
-          if (max[at(s)] == kNegInf) continue;
-          const float w = std::exp(max[at(s)] - top);
-          total += w * denominator[at(s)];
-          const float* a = &acc[at(s) * H];
+          const float* a = at(s);  // acc [H], max, denominator
+          if (a[H] == kNegInf) continue;
+          const float w = std::exp(a[H] - top);
+          total += w * a[H + 1];
           for (int64_t h = 0; h < H; ++h) o[h] += w * a[h];
         }
         for (int64_t h = 0; h < H; ++h) o[h] /= total;
@@ -491,12 +579,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   int64_t furthest = 0;
   for (int64_t b = 0; b < qd[0]; ++b) furthest = std::max(furthest, job.hi[b]);
   job.splits = std::max<int64_t>(1, (furthest + kSplitKeys - 1) / kSplitKeys);
-  job.tasks = pairs * job.splits;
-  const int64_t Q = qd[2] * qd[3];
-  job.max.assign(job.tasks * Q, kNegInf);
-  job.denominator.assign(job.tasks * Q, 0.0f);
-  job.acc.assign(job.tasks * Q * qd[4], 0.0f);
-  jinfer::RunTasks(pool, threads, job.tasks, [&job](int64_t task) { job.Run(task); });
+  job.PlanTasks();
+  job.ClearStates();
+  const int64_t tasks = job.tasks.size();
+  jinfer::RunTasks(pool, threads, tasks, [&job](int64_t task) { job.Run(task); });
   job.Merge(out->typed_data());
   return ffi::Error::Success();
 }
