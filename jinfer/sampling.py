@@ -11,7 +11,8 @@ seed folded with the token position: a row's draw never depends on its neighbour
 
 `process` is that chain, the one every step that samples goes through (prefill, decode, `sample`,
 a verify step's later positions); `choose` runs it and picks, giving what leaves the device per
-step (`StepOutput`: tokens, a non-finite flag, and log-probs when some row asks for them).
+step (`StepOutput`: tokens, a non-finite flag, and log-probs when some row asks for them: of the
+raw logits, or, for a row whose `logprobs_mode` is "processed", of what its token is drawn from).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class RequestError(ValueError):
 INT32_MAX = 2**31 - 1  # integer knobs reach the device as int32
 TOP_LOGPROBS = 20  # alternatives computed when any request wants log-probs (OpenAI's maximum)
 SEED_LIMIT = 2**64  # seeds are any 64-bit value; the device folds them to 32 bits
+# What a row's log-probs are of: the model's distribution (log-softmax of its logits), or the one
+# its token is drawn from (`logprobs_of`).
+LOGPROBS_MODES = ("raw", "processed")
 
 # The knobs a model's generation_config.json (or its preset) may set; unset (None) on a request,
 # they take the model's value, else these (OpenAI's defaults: plain sampling at temperature 1).
@@ -72,6 +76,9 @@ class SamplingParams:
     ignore_eos: bool = setting(False, "keep generating past end-of-sequence tokens")
     min_tokens: int = setting(0, "tokens to generate before a stop token may end the output")
     logprobs: int | None = None  # number of top alternatives to report per token (0: chosen only)
+    logprobs_mode: str = setting(
+        "raw", "log-probs of the model's distribution (raw) or of the one the token is drawn from (processed)"
+    )
     speculative: bool | None = setting(
         None, "false: never verify draft tokens for this request (the output is the same either way)"
     )
@@ -142,6 +149,9 @@ def _validate(p: SamplingParams) -> None:
         integer("seed", p.seed, 0, SEED_LIMIT - 1)
     if p.logprobs is not None:
         integer("logprobs", p.logprobs, 0, 20)
+    if p.logprobs_mode not in LOGPROBS_MODES:
+        modes = " or ".join(LOGPROBS_MODES)
+        raise RequestError(f"logprobs_mode must be {modes}, got {_short(p.logprobs_mode)}", "logprobs_mode")
     if p.speculative is not None and not isinstance(p.speculative, bool):
         raise RequestError(f"speculative must be true or false, got {_short(p.speculative)}", "speculative")
     if not isinstance(p.ignore_eos, bool):
@@ -221,6 +231,7 @@ class SamplingArrays:
     presence_penalty: jax.Array  # [B] float32
     frequency_penalty: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
+    logprobs_mode: jax.Array  # [B] int32: the index of the row's mode in LOGPROBS_MODES
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> SamplingArrays:
@@ -237,6 +248,7 @@ class SamplingArrays:
             presence_penalty=col("presence_penalty", np.float32),
             frequency_penalty=col("frequency_penalty", np.float32),
             seed=np.array([seed % 2**32 for seed in seeds], dtype=np.uint32),
+            logprobs_mode=np.array([LOGPROBS_MODES.index(p.logprobs_mode) for p in params], np.int32),
         )
 
 
@@ -295,14 +307,21 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
     greedy = argmax(logits)
 
     def draw():
-        scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        truncating = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)
-        candidates = jax.lax.cond(jnp.any(truncating), _truncate, lambda x, _: x, scaled, s)
+        candidates = drawn_from(logits, s)
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, positions)
         sampled = jax.vmap(jax.random.categorical)(keys, candidates).astype(jnp.int32)
         return jnp.where(s.temperature > 0, sampled, greedy)
 
     return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda: greedy)
+
+
+def drawn_from(processed: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The logits a sampled row's token is drawn from: processed logits [B, V] over the row's
+    temperature (1 for a greedy row), -inf outside its top-k / top-p / min-p set (the truncation's
+    sort runs only when some row truncates)."""
+    scaled = processed / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    truncating = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)
+    return jax.lax.cond(jnp.any(truncating), _truncate, lambda x, _: x, scaled, s)
 
 
 def argmax(logits: jax.Array) -> jax.Array:
@@ -338,7 +357,8 @@ def token_logprobs(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probs of the chosen tokens [B] and the top_n alternatives ([B, n] values, [B, n] ids).
 
-    Computed from the model's raw distribution (before sampling transforms), as OpenAI reports them.
+    Of whatever distribution `logits` are (`logprobs_of`: the raw one, as OpenAI reports them, or
+    the processed one a row asks for).
     """
     logp = log_softmax(logits)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
@@ -406,19 +426,34 @@ def choose(
     return pick(logits, process(logits, *knobs), sampling, positions, want_logprobs)
 
 
+def logprobs_of(logits: jax.Array, processed: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The logits each row's log-probs are taken from: the raw `logits` [B, V], or for a row whose
+    logprobs_mode is "processed" the distribution its token is drawn from (`drawn_from`: penalties,
+    bias, processors, bans and constraints, then temperature and truncation), computed only when
+    some row asks for it."""
+    processed_rows = s.logprobs_mode == LOGPROBS_MODES.index("processed")
+    return jax.lax.cond(
+        jnp.any(processed_rows),
+        lambda: jnp.where(processed_rows[:, None], drawn_from(processed, s), logits),
+        lambda: logits,
+    )
+
+
 def pick(logits, processed, sampling, positions, want_logprobs):
     """One token per row from `processed` logits [B, V] (`sample`), with what leaves the device
-    about it: whether the raw `logits` were all finite, and (when asked) their log-probs."""
+    about it: whether the raw `logits` were all finite, and (when asked) their log-probs, of the
+    distribution each row's logprobs_mode names."""
     token = sample(processed, sampling, positions)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
 
-    def skip(logits, token):
+    def skip(token):
         nothing = nothing_chosen(logits.shape[0])
         return nothing.logprobs, nothing.top_logprobs, nothing.top_ids
 
-    chosen, top_values, top_ids = jax.lax.cond(
-        want_logprobs, lambda logits, token: token_logprobs(logits, token, TOP_LOGPROBS), skip, logits, token
-    )
+    def report(token):
+        return token_logprobs(logprobs_of(logits, processed, sampling), token, TOP_LOGPROBS)
+
+    chosen, top_values, top_ids = jax.lax.cond(want_logprobs, report, skip, token)
     return token, StepOutput(token, bad, chosen, top_ids, top_values)
 
 

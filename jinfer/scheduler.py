@@ -385,8 +385,9 @@ class Scheduler:
 def _logprob_entry(logprobs: dict[str, np.ndarray], step: int, row: int, token: int, top_n: int) -> dict:
     ids = logprobs["top_ids"][step, row, :top_n]
     values = logprobs["top_logprobs"][step, row, :top_n]
+    # A token outside a processed distribution (-inf: a top-k cut, a ban) is no alternative.
     return {
         "token_id": token,
         "logprob": float(logprobs["logprobs"][step, row]),
-        "top": {int(i): float(v) for i, v in zip(ids, values, strict=True)},
+        "top": {int(i): float(v) for i, v in zip(ids, values, strict=True) if v > -np.inf},
     }

@@ -39,6 +39,7 @@ def _cotenant(seed):
         presence_penalty=float(rng.choice([0.0, 0.5])),
         logprobs=int(rng.choice([0, 3])) if rng.rand() < 0.5 else None,
         ignore_eos=True,
+        logprobs_mode=str(rng.choice(["raw", "processed"])),
     )
     return _prompt(seed + 1000, int(rng.randint(3, 60))), sampling
 
@@ -108,6 +109,29 @@ def test_batch_invariance_in_every_slot(request, engine, sampling):
         assert results[slot].token_ids == alone.token_ids, slot
     mixed = llm.engine.dispatch_counts.mixed_dispatches - mixed_before
     assert mixed > 0 if engine == "mixing_llm" else mixed == 0
+
+
+@pytest.mark.parametrize("engine", ["llm", "mixing_llm"], ids=["own-dispatch", "mixed"])
+def test_processed_logprobs_are_of_the_sampled_distribution_alone_and_in_a_crowd(request, engine):
+    """logprobs_mode "processed" changes what the log-probs are of, never the tokens: the seeded
+    tokens are raw mode's; each token's alternatives are its top-k set, the token among them, their
+    probabilities summing to 1; alone and among neighbours (raw and processed) the same bits."""
+    llm = request.getfixturevalue(engine)
+    raw = dataclasses.replace(SEEDED, top_k=3, top_p=1.0, logprobs=5)
+    processed = dataclasses.replace(raw, logprobs_mode="processed")
+    target = _prompt(11, 30)
+    (alone_raw,) = llm.generate([target], raw)
+    (alone,) = llm.generate([target], processed)
+    assert alone.token_ids == alone_raw.token_ids
+    for entry, token in zip(alone.logprobs, alone.token_ids, strict=True):
+        assert entry["token_id"] == token and len(entry["top"]) == 3
+        assert entry["top"][token] == entry["logprob"]
+        assert abs(np.logaddexp.reduce(list(entry["top"].values()))) < 1e-5
+    assert [e["logprob"] for e in alone.logprobs] != [e["logprob"] for e in alone_raw.logprobs]
+    neighbours = [_cotenant(70 + i) for i in range(5)]
+    prompts, samplings = [target] + [p for p, _ in neighbours], [processed] + [s for _, s in neighbours]
+    (crowded, *_) = llm.generate(prompts, samplings)
+    assert crowded.token_ids == alone.token_ids and crowded.logprobs == alone.logprobs
 
 
 @pytest.mark.parametrize("slots,steps", [(32, 4), (64, 4), (32, 1)], ids=["32", "64", "32-mixed"])

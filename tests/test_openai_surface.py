@@ -4,6 +4,7 @@ content parts, CORS, and the reproducibility record (system_fingerprint, and the
 request was given)."""
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from test_server import AUTH, KEY, TINY_OPTIONS, running_server
@@ -146,6 +147,24 @@ def test_logprob_bytes_rebuild_the_text_and_parts_of_characters_keep_distinct_na
         model="tiny", prompt="Grüße", max_tokens=40, temperature=1.0, seed=3, logprobs=5
     )
     assert all(len(top) == 5 for top in legacy.choices[0].logprobs.top_logprobs)
+
+
+def test_processed_logprobs_over_http_list_only_the_tokens_a_draw_could_take(servers, client):
+    """`logprobs_mode` (a jinfer extra, per request): "processed" log-probs are of the tempered,
+    top-k-cut distribution the token was drawn from, so two alternatives at most where top_k is 2,
+    and the tokens are those of raw mode; anything else is a 400 naming the field."""
+    ask = {"model": "tiny", "prompt": "Grüße", "max_tokens": 12, "temperature": 0.8, "seed": 5, "logprobs": 5}
+    raw = client.completions.create(**ask, extra_body={"top_k": 2}).choices[0]
+    processed = client.completions.create(**ask, extra_body={"top_k": 2, "logprobs_mode": "processed"})
+    choice = processed.choices[0]
+    assert choice.text == raw.text
+    assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert all(len(top) == 5 for top in raw.logprobs.top_logprobs)
+    for top, chosen in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs, strict=True):
+        assert chosen in top.values() and abs(np.logaddexp.reduce(list(top.values()))) < 1e-5
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "logprobs_mode": "processed_logits"}
+    reply = httpx.post(servers[0] + "/v1/completions", json=body, headers=AUTH)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs_mode"
 
 
 def test_a_list_of_prompts_gets_n_choices_each_in_order(client):

@@ -3,8 +3,17 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jinfer.sampling import SamplingArrays, SamplingParams, apply_penalties, argmax, token_logprobs
+from jinfer.sampling import (
+    RequestError,
+    SamplingArrays,
+    SamplingParams,
+    apply_penalties,
+    argmax,
+    pick,
+    token_logprobs,
+)
 from jinfer.sampling import sample as _sample
 
 sample = jax.jit(_sample)
@@ -100,3 +109,63 @@ def test_token_logprobs():
     np.testing.assert_allclose(float(chosen[0]), logp[1], rtol=1e-6)
     assert ids.tolist() == [[4, 0]]
     np.testing.assert_allclose(np.asarray(values[0]), logp[[4, 0]], rtol=1e-6)
+
+
+# LOGITS widened to more tokens than the alternatives a step reports, the new ones never likely.
+WIDE_LOGITS = jnp.pad(LOGITS, ((0, 0), (0, 27)), constant_values=-1e9)
+
+
+def _pick_logprobs(logits, s, positions):
+    """pick's tokens and their log-probs with the top alternatives (jitted as a step runs it)."""
+    token, out = jax.jit(pick)(logits, logits, s, positions, jnp.bool_(True))
+    return np.asarray(token), np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+
+
+def test_processed_logprobs_are_of_the_distribution_tokens_are_drawn_from():
+    """logprobs_mode "processed": a row's log-probs are of its tempered, truncated distribution;
+    4,000 draws at independent positions land on its tokens as often as those log-probs say (a
+    chi-square test, deterministic through the seeds), and nowhere else. A raw row beside it keeps
+    the bits it has in a batch where no row asks for processed log-probs."""
+    knobs = {"temperature": 0.7, "top_k": 4, "top_p": 0.95}
+    n = 4000
+    params = [SamplingParams(logprobs_mode="processed", **knobs).resolve()] * n
+    params[0] = SamplingParams(**knobs).resolve()  # raw
+    s = SamplingArrays.from_params(params, [3] * n)
+    logits = jnp.repeat(WIDE_LOGITS, n, axis=0)
+    tokens, chosen, top_ids, top_values = _pick_logprobs(logits, s, jnp.arange(n))
+    scaled = LOGITS[0] / 0.7
+    probs = np.asarray(jnp.exp(scaled - jax.scipy.special.logsumexp(scaled)))
+    kept = [4, 0, 1]  # 4 and 0 hold 0.88 < 0.95 of the mass; 1 (0.07) takes it past: top_p stops there
+    expected = np.zeros(WIDE_LOGITS.shape[1])
+    expected[kept] = probs[kept] / probs[kept].sum()
+    reported = dict(zip(top_ids[1].tolist(), top_values[1].tolist(), strict=True))
+    np.testing.assert_allclose([np.exp(reported[t]) for t in kept], expected[kept], rtol=1e-5)
+    assert all(reported[t] == -np.inf for t in set(range(5)) - set(kept))
+    np.testing.assert_allclose(np.exp(chosen[1:]), expected[tokens[1:]], rtol=1e-5)
+    observed = np.bincount(tokens[1:], minlength=len(expected))
+    assert set(np.flatnonzero(observed)) == set(kept)
+    statistic = ((observed[kept] - (n - 1) * expected[kept]) ** 2 / ((n - 1) * expected[kept])).sum()
+    assert statistic < 13.8  # chi-square, 2 degrees of freedom: p = 0.001
+    raw = SamplingArrays.from_params([params[0]], [3])
+    raw_token, raw_chosen, raw_ids, raw_values = _pick_logprobs(WIDE_LOGITS, raw, jnp.arange(1))
+    assert (tokens[0], chosen[0]) == (raw_token[0], raw_chosen[0])
+    np.testing.assert_array_equal(top_ids[0], raw_ids[0])
+    np.testing.assert_array_equal(top_values[0], raw_values[0])
+
+
+def test_processed_logprobs_of_a_greedy_row_keep_the_penalties_and_bans_at_temperature_one():
+    """A greedy row draws nothing: its processed log-probs are of the processed logits (what
+    `process` made of them) with its truncation, at temperature 1; its token is their argmax."""
+    processed = WIDE_LOGITS.at[0, 4].set(-jnp.inf)  # e.g. a ban on the likeliest token
+    s = _arrays(temperature=0.0, top_k=3, logprobs_mode="processed")
+    token, out = jax.jit(pick)(WIDE_LOGITS, processed, s, jnp.arange(1), jnp.bool_(True))
+    assert int(token[0]) == 0
+    kept = np.asarray(LOGITS[0, jnp.asarray([0, 1, 2])])
+    logp = kept - np.log(np.exp(kept).sum())
+    np.testing.assert_allclose(float(out.logprobs[0]), logp[0], rtol=1e-6)
+    assert np.asarray(out.top_ids[0, :3]).tolist() == [0, 1, 2]
+
+
+def test_logprobs_mode_is_raw_or_processed():
+    with pytest.raises(RequestError, match="logprobs_mode must be raw or processed"):
+        SamplingParams(logprobs_mode="processed_logits")
