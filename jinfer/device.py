@@ -35,6 +35,7 @@ import numpy as np
 from jinfer.compile_cache import bypassed, compile_fresh, count_kept
 from jinfer.config import PROMPT_PIECE
 from jinfer.inputs import DispatchOutput, Program, RowInputs, neutral_inputs
+from jinfer.models.params import unpacked
 from jinfer.program_store import ProgramStore
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scoring import score_program
@@ -129,6 +130,13 @@ class Device:
             self.state = self.steps.new_state()
 
         self._call("reset", (), run)
+
+    def set_target(self, target) -> None:
+        """Serve the served model's weights `target` (`weights.replacement`; a draft model's kept)
+        from the next call on."""
+        with self._lock:
+            self.weights = self.weights.replace(target=target)
+            self._score_params = unpacked(target)
 
     def score(self, tokens):
         """`jinfer.scoring`'s program over tokens [1, T]: (chosen, top ids, top log-probs) on device."""

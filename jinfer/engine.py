@@ -48,6 +48,7 @@ from jinfer.state import pack_history, pack_pieces
 from jinfer.steps import mixed_program, prefill_program
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
+from jinfer.weights import replacement
 
 log = logging.getLogger("jinfer.engine")
 
@@ -89,6 +90,7 @@ class Engine:
         self.preparer, self.speculation = parts.preparer, parts.speculation
         self.cache_bytes = parts.cache_bytes
         self._tables_version = self.kv.version  # of the device's block tables
+        self.weights_version = 0  # how many times update_weights replaced the loaded weights
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, self.layout.max_seq_len)
         self._pending: list[Pending] = []  # dispatched, not yet read
@@ -108,6 +110,18 @@ class Engine:
         """The weights the steps run with (the device's: one copy, wherever it is read), the
         target model's where there is a draft model."""
         return self.device.weights.target
+
+    def update_weights(self, params) -> int:
+        """Serve `params` (shaped as `LLM.params`: `weights.replacement`) from the next step on, with no
+        recompile; nothing may be in flight, and the prefix cache (old K/V) is emptied. The version."""
+        target = replacement(self.params, params, self.steps.model, self.layout.packed_weights)
+        with self._lock:
+            if self.cluster is not None or not self._idle():
+                raise RuntimeError("update_weights needs an idle engine of one process")
+            self.device.set_target(target)
+            self.kv.pool.forget()
+            self.weights_version += 1
+            return self.weights_version
 
     def warmup(self) -> float:
         """Compile every verb's variants (`Device.warm_up`) and time verify against decode steps

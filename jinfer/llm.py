@@ -117,6 +117,14 @@ class LLM:
         matrices as `models.quantized.QuantizedWeight`)."""
         return unpacked(self.engine.params)
 
+    def update_weights(self, params) -> int:
+        """Generate, chat and score with `params` from now on: the model's weights shaped as
+        `self.params` gives them (the same tree, shapes and dtypes; e.g. a trainer's update of
+        them), swapped in memory with no recompile and no disk. Call it between generate calls
+        (RuntimeError while requests run); the prefix cache is emptied. Returns the weights version
+        that every Completion from now on reports in `metrics["weights_version"]` (0: as loaded)."""
+        return self.engine.update_weights(params)
+
     # ------------------------------------------------------------------------------ public
     def generate(
         self,
@@ -186,6 +194,7 @@ class LLM:
                 if collector.final is not None:
                     completion = collector.completion(request.prompt_ids)
                     completion.metrics["dropped_messages"] = prepared.dropped_messages
+                    completion.metrics["weights_version"] = engine.weights_version
                     text, calls, reason = finish_output(
                         prepared.tools, completion.text, completion.finish_reason
                     )
