@@ -167,6 +167,34 @@ def test_processed_logprobs_over_http_list_only_the_tokens_a_draw_could_take(ser
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs_mode"
 
 
+def test_update_weights_over_http_swaps_the_weights_a_request_runs_on(servers, client, tiny_model, tmp_path):
+    """POST /v1/update_weights `{"path"}` (behind the API key) serves the weights read there from
+    the next request on, reported in the model card; the first weights back give the first answers
+    again. A path that holds no model, or another model's weights, is a 400 and changes nothing."""
+    import tiny
+
+    first = servers[0]
+    other = str(tmp_path / "other")
+    tiny.build_hf_model("llama_gqa_untied", other, seed=1)  # the same shapes, other values
+    ask = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    post = lambda body, headers=AUTH: httpx.post(first + "/v1/update_weights", json=body, headers=headers)
+    before = client.completions.create(**ask).choices[0].text
+    assert post({"path": other}, headers={}).status_code == 401
+    version = client.models.retrieve("tiny").model_extra["weights_version"]
+    reply = post({"path": other})
+    assert reply.status_code == 200 and reply.json()["weights_version"] == version + 1
+    assert client.models.retrieve("tiny").model_extra["weights_version"] == version + 1
+    after = client.completions.create(**ask).choices[0].text
+    assert after != before
+    another_model = tiny_model("llama3_rope_tied")[0]  # tied embeddings: another tree
+    for bad in ({"path": str(tmp_path / "nothing")}, {"path": another_model}, {"model": "tiny"}):
+        reply = post(bad)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "path", reply.text
+    assert client.completions.create(**ask).choices[0].text == after
+    assert post({"path": tiny_model("llama_gqa_untied")[0]}).status_code == 200
+    assert client.completions.create(**ask).choices[0].text == before
+
+
 def test_a_list_of_prompts_gets_n_choices_each_in_order(client):
     prompts = ["Once upon a time", [5, 6, 7, 8]]
     ask = {"model": "tiny", "max_tokens": 6, "temperature": 0}
