@@ -295,7 +295,7 @@ class JinferAPI:
             raise APIError(403, "update_weights needs a server started with --api-key", code="forbidden")
         body = await self._body(request)
         if set(body) - {"path"} or not isinstance(body.get("path"), str) or not body["path"]:
-            raise APIError(400, "the body must be {\"path\": a directory or file of weights}", param="path")
+            raise APIError(400, 'the body must be {"path": a directory or file of weights}', param="path")
         config = self.engine.config
         try:
             loaded = await asyncio.to_thread(
