@@ -56,6 +56,7 @@ class Device:
         self._lock = threading.Lock()
         self._score = jax.jit(partial(score_program, cfg=steps.model, vocab=steps.vocab_size))
         self._score_params = score_params
+        self.weights_dropped = False  # by a level-2 sleep, until set_target
         self.cache = steps.new_cache(dtype)
         self.state = steps.new_state()
         self.tables = steps.put_tables(tables)
@@ -137,6 +138,23 @@ class Device:
         with self._lock:
             self.weights = self.weights.replace(target=target)
             self._score_params = unpacked(target)
+            self.weights_dropped = False
+
+    def sleep(self, drop_weights: bool) -> None:
+        """Free the KV cache and the slot state; with `drop_weights` the served model's weights too,
+        their shapes and shardings kept for `set_target` (`jinfer.residency`)."""
+        with self._lock:
+            self.cache = self.state = None
+            if drop_weights:
+                abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                self.weights = self.weights.replace(target=jax.tree.map(abstract, self.weights.target))
+                self._score_params, self.weights_dropped = None, True
+
+    def wake_up(self) -> None:
+        """A fresh KV cache and slot state (the programs take them as before)."""
+        with self._lock:
+            self.cache = self.steps.new_cache(self.dtype)
+            self.state = self.steps.new_state()
 
     def score(self, tokens):
         """`jinfer.scoring`'s program over tokens [1, T]: (chosen, top ids, top log-probs) on device."""

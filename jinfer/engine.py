@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+import jinfer.residency as residency
 from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
 from jinfer.compile_cache import tally
@@ -48,7 +49,6 @@ from jinfer.state import pack_history, pack_pieces
 from jinfer.steps import mixed_program, prefill_program
 from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
-from jinfer.weights import replacement
 
 log = logging.getLogger("jinfer.engine")
 
@@ -91,6 +91,7 @@ class Engine:
         self.cache_bytes = parts.cache_bytes
         self._tables_version = self.kv.version  # of the device's block tables
         self.weights_version = 0  # how many times update_weights replaced the loaded weights
+        self.asleep = 0  # the level of the sleep it is in (`jinfer.residency`); 0: awake
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, self.layout.max_seq_len)
         self._pending: list[Pending] = []  # dispatched, not yet read
@@ -111,17 +112,8 @@ class Engine:
         target model's where there is a draft model."""
         return self.device.weights.target
 
-    def update_weights(self, params) -> int:
-        """Serve `params` (shaped as `LLM.params`: `weights.replacement`) from the next step on, with no
-        recompile; nothing may be in flight, and the prefix cache (old K/V) is emptied. The version."""
-        target = replacement(self.params, params, self.steps.model, self.layout.packed_weights)
-        with self._lock:
-            if self.cluster is not None or not self._idle():
-                raise RuntimeError("update_weights needs an idle engine of one process")
-            self.device.set_target(target)
-            self.kv.pool.forget()
-            self.weights_version += 1
-            return self.weights_version
+    # What the device holds between requests (`jinfer.residency`).
+    update_weights, sleep, wake_up = residency.update_weights, residency.sleep, residency.wake_up
 
     def warmup(self) -> float:
         """Compile every verb's variants (`Device.warm_up`) and time verify against decode steps
@@ -216,6 +208,8 @@ class Engine:
                 self._lock.wait()
             if self.failure is not None:
                 raise EngineUnavailable(f"the engine is unavailable: {self.failure}")
+            if self.asleep:
+                raise EngineUnavailable("the engine is asleep until wake_up")
             self.scheduler.submit(request)
             self._lock.notify_all()
 

@@ -20,7 +20,7 @@ from jinfer.compile_cache import use as use_compile_cache
 from jinfer.config import EngineConfig
 from jinfer.engine import Engine
 from jinfer.inputs import RowProcessor
-from jinfer.loading import default_model_path, load_model, placement_for
+from jinfer.loading import default_model_path, engine_weights, load_model, placement_for
 from jinfer.models.params import unpacked
 from jinfer.prepare import PreparedRequest
 from jinfer.request import RequestOutput
@@ -100,6 +100,7 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.engine = Engine(loaded, config, logits_processors)
+        self._path = path  # read again by wake_up after a level-2 sleep
         if member is not None and not member.leader:
             raise SystemExit(self.engine.follow())
         self.preparer = self.engine.preparer
@@ -124,6 +125,25 @@ class LLM:
         (RuntimeError while requests run); the prefix cache is emptied. Returns the weights version
         that every Completion from now on reports in `metrics["weights_version"]` (0: as loaded)."""
         return self.engine.update_weights(params)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache's memory (level 1), and the weights' too (level 2), until `wake_up`;
+        generate raises meanwhile. Call it between generate calls. On a CPU the weights are host
+        memory already: level 1 frees the cache alone."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Serve again, with no recompile. After a level-2 sleep the weights come back from the
+        model's file, unless `update_weights` brought others while asleep."""
+        if self.engine.device.weights_dropped:
+            self.engine.update_weights(self._reloaded_params())
+        self.engine.wake_up()
+
+    def _reloaded_params(self):
+        """The model's weights read again from its file, as the engine was built with them."""
+        config = self.engine.config
+        loaded = load_model(self._path, quantization=config.quantization, placement=placement_for(config))
+        return engine_weights(loaded, config, self.engine.mesh, self.engine.dtype)[1]
 
     # ------------------------------------------------------------------------------ public
     def generate(

@@ -28,13 +28,13 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from jinfer.engine import Engine, EngineUnavailable
-from jinfer.loading import CheckpointError, load_model, placement_for
 from jinfer.metrics import ServingMetrics
 from jinfer.prepare import ContextLengthError, PreparedRequest, RequestError
 from jinfer.sampling import SEED_LIMIT
 from jinfer.scheduler import QueueFullError
 from jinfer.structured import has_constraint
 
+from .admin import admin_routes
 from .bridge import EngineBridge
 from .protocol import APIError, GenerationRequest, Submission, api_param, parse_generation, parse_json_object
 from .responses import ResponseWriter, WriterContext, now, usage
@@ -166,6 +166,11 @@ class JinferAPI:
         if not self.ready:
             self.metrics.rejected.inc()
             raise APIError(503, "the server is warming up", code="not_ready", headers={"Retry-After": "5"})
+        if self.engine.asleep:
+            self.metrics.rejected.inc()
+            raise APIError(
+                503, "the server is asleep until POST /wake_up", code="sleeping", headers={"Retry-After": "5"}
+            )
 
     # ------------------------------------------------------------------------- helpers
     async def _body(self, request: Request) -> dict[str, Any]:
@@ -244,13 +249,17 @@ class JinferAPI:
         body = {"status": "ok"} | ({"processes": member.status(compiles)} if member else {})
         if self.engine.failure is not None:
             return JSONResponse(body | {"status": "unavailable", "error": self.engine.failure}, 503)
-        return JSONResponse(body)
+        return JSONResponse(
+            body | ({"status": "sleeping", "level": self.engine.asleep} if self.engine.asleep else {})
+        )
 
     async def ready_check(self, request: Request) -> Response:
         if self.engine.failure is not None:
             return JSONResponse({"status": "unavailable", "error": self.engine.failure}, status_code=503)
         if self.draining or not self.ready:
             return JSONResponse({"status": "draining" if self.draining else "warming_up"}, status_code=503)
+        if self.engine.asleep:
+            return JSONResponse({"status": "sleeping"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     def _model_card(self) -> dict[str, Any]:
@@ -285,29 +294,6 @@ class JinferAPI:
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
-
-    async def update_weights(self, request: Request) -> Response:
-        """`{"path": DIR}`: the model's weights read from DIR (a Hugging Face directory of the same
-        model, a GGUF file or a jinfer checkpoint) served from the next step on (`Engine.
-        update_weights`); `{"weights_version"}` back. Only on a server with an API key; a 409 while
-        requests run, a 400 for weights that do not fit the model."""
-        if not self.api_keys:
-            raise APIError(403, "update_weights needs a server started with --api-key", code="forbidden")
-        body = await self._body(request)
-        if set(body) - {"path"} or not isinstance(body.get("path"), str) or not body["path"]:
-            raise APIError(400, 'the body must be {"path": a directory or file of weights}', param="path")
-        config = self.engine.config
-        try:
-            loaded = await asyncio.to_thread(
-                load_model, body["path"], quantization=config.quantization, placement=placement_for(config)
-            )
-            version = await asyncio.to_thread(self.engine.update_weights, loaded.params)
-        except (CheckpointError, ValueError, OSError) as e:
-            raise APIError(400, f"cannot serve those weights: {e}", param="path") from None
-        except RuntimeError as e:
-            raise APIError(409, str(e), code="busy") from None
-        log.info("weights from %s: version %d", body["path"], version)
-        return JSONResponse({"weights_version": version})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
@@ -434,7 +420,7 @@ def _routes(api: JinferAPI) -> list:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),
-        Route("/v1/update_weights", api.update_weights, methods=["POST"]),
+        *admin_routes(api),
         # The same without /v1, as llama.cpp's server also answers them (and clients send them).
         Route("/models", api.models),
         Route("/completions", api.completions, methods=["POST"]),

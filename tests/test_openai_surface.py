@@ -195,6 +195,31 @@ def test_update_weights_over_http_swaps_the_weights_a_request_runs_on(servers, c
     assert client.completions.create(**ask).choices[0].text == before
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_up_over_http(servers, client, tiny_model, level):
+    """POST /sleep (behind the API key): generation is a 503 with Retry-After, /health says it
+    sleeps and /ready is a 503; POST /wake_up serves the same answer again. After level 2 the
+    weights come back through POST /v1/update_weights: waking before that is a 409."""
+    first = servers[0]
+    post = lambda path, body=None: httpx.post(first + path, json=body, headers=AUTH)
+    ask = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    before = client.completions.create(**ask).choices[0].text
+    assert httpx.post(first + "/sleep", json={"level": level}).status_code == 401
+    assert post("/sleep", {"level": 3}).status_code == 400
+    assert post("/sleep", {"level": level}).json() == {"status": "sleeping", "level": level}
+    refused = httpx.post(first + "/v1/completions", json=ask, headers=AUTH)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+    assert refused.json()["error"]["code"] == "sleeping"
+    assert httpx.get(first + "/health").json()["status"] == "sleeping"
+    assert httpx.get(first + "/ready").status_code == 503
+    if level == 2:
+        assert post("/wake_up").status_code == 409
+        assert post("/v1/update_weights", {"path": tiny_model("llama_gqa_untied")[0]}).status_code == 200
+    assert post("/wake_up").json() == {"status": "ready"}
+    assert httpx.get(first + "/ready").status_code == 200
+    assert client.completions.create(**ask).choices[0].text == before
+
+
 def test_a_list_of_prompts_gets_n_choices_each_in_order(client):
     prompts = ["Once upon a time", [5, 6, 7, 8]]
     ask = {"model": "tiny", "max_tokens": 6, "temperature": 0}

@@ -2,12 +2,14 @@
 already compiled, giving what an engine built from those weights gives, bit for bit."""
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
 import pytest
 
 import jinfer
+from jinfer.engine import EngineUnavailable
 from jinfer.formats.checkpoint import save_checkpoint
 from jinfer.formats.hf import load_hf
 
@@ -66,3 +68,27 @@ def test_weights_of_another_shape_or_dtype_or_tree_are_refused_and_nothing_chang
     while llm.engine.scheduler.has_work:
         llm.engine.step()
     assert llm.engine.weights_version == 0 and _answers(llm) == before
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_answers(tiny_model, level):
+    """Asleep, the process gives back the KV cache's memory (and at level 2 the weights'), a request
+    is refused; awake, the answers are the same bits as before,
+    with no program compiled again. A level-2 wake-up reads the weights from the model's files."""
+    llm = jinfer.LLM(tiny_model("llama_gqa_untied")[0], **OPTIONS, kv_cache_tokens=400_000)
+    before, compiles = _answers(llm), llm.engine.compile_count()
+    awake = _rss()
+    llm.sleep(level)
+    asleep = _rss()
+    assert awake - asleep >= 0.9 * llm.engine.cache_bytes
+    with pytest.raises(EngineUnavailable, match="asleep"):
+        llm.generate([PROMPTS[1]], GREEDY)
+    llm.wake_up()
+    assert _answers(llm) == before
+    assert llm.engine.compile_count() == compiles
+    assert llm.engine.weights_version == level - 1  # a level-2 wake-up reloads: a new version

@@ -1,0 +1,57 @@
+"""What an engine holds on its device between requests, changed while nothing is in flight: new
+weights (`update_weights`), and sleep and wake (`sleep`, `wake_up`), for research loops that train
+and sample in one process and servers that lend their memory to something else for a while.
+
+    update_weights(engine, params)  the model's weights (shaped as `LLM.params`) swapped in
+    sleep(engine, level)            level 1: the KV pool freed (the weights stay: on a CPU they
+                                    are host memory already); level 2: the weights dropped too
+    wake_up(engine)                 the pool back; after level 2, once weights came back through
+                                    `update_weights`
+
+None recompiles: every program takes the weights and the pool as arguments of the same shapes.
+Each empties the prefix cache (its pages' K/V are gone or were computed by other weights) and
+refuses an engine with requests in flight, or one of several processes.
+"""
+
+from __future__ import annotations
+
+from jinfer.weights import replacement
+
+
+def _check_idle(engine, what: str) -> None:
+    if engine.cluster is not None or not engine._idle():
+        raise RuntimeError(f"{what} needs an idle engine of one process: requests are in flight")
+
+
+def update_weights(engine, params) -> int:
+    """Serve `params` from the next step on (`weights.replacement` says what they must be); the new
+    weights version."""
+    target = replacement(engine.params, params, engine.steps.model, engine.layout.packed_weights)
+    with engine._lock:
+        _check_idle(engine, "update_weights")
+        engine.device.set_target(target)
+        engine.kv.pool.forget()
+        engine.weights_version += 1
+        return engine.weights_version
+
+
+def sleep(engine, level: int = 1) -> None:
+    """Free the KV pool (and at level 2 the served model's weights); requests are refused until
+    `wake_up`."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    with engine._lock:
+        _check_idle(engine, "sleep")
+        engine.device.sleep(drop_weights=level == 2)
+        engine.kv.pool.forget()
+        engine.asleep = max(engine.asleep, level)
+
+
+def wake_up(engine) -> None:
+    """A fresh KV pool; the engine serves again. RuntimeError after a level-2 sleep until weights
+    came back (`update_weights`)."""
+    with engine._lock:
+        if engine.device.weights_dropped:
+            raise RuntimeError("the weights were dropped (sleep level 2): update_weights brings them back")
+        engine.device.wake_up()
+        engine.asleep = 0

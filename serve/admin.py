@@ -1,0 +1,85 @@
+"""The endpoints that change what the engine holds between requests (`jinfer.residency`), for
+research loops and servers that lend their memory: POST /v1/update_weights, /sleep and /wake_up.
+Only on a server started with an API key (a 403 otherwise: they would let anyone swap the model);
+a 409 while requests run."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jinfer.loading import CheckpointError, load_model, placement_for
+
+from .protocol import APIError
+
+log = logging.getLogger("jinfer.serve")
+
+
+class Admin:
+    """The handlers, over a server's `JinferAPI` (its engine, keys and body reader)."""
+
+    def __init__(self, api):
+        self.api = api
+
+    async def sleep(self, request: Request) -> Response:
+        """`{"level": 1 | 2}` (1 if no body): the engine's sleep (`jinfer.residency`); generation is a 503
+        until POST /wake_up."""
+        self._check_admin()
+        body = await self.api._body(request) if int(request.headers.get("content-length") or 0) else {}
+        level = body.get("level", 1)
+        if set(body) - {"level"} or level not in (1, 2) or isinstance(level, bool):
+            raise APIError(400, 'the body must be {"level": 1 or 2}', param="level")
+        await self._residency(self.api.engine.sleep, level)
+        return JSONResponse({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: Request) -> Response:
+        """Serve again, with no recompile (after level 2 once POST /v1/update_weights brought weights)."""
+        self._check_admin()
+        await self._residency(self.api.engine.wake_up)
+        return JSONResponse({"status": "ready"})
+
+    def _check_admin(self) -> None:
+        if not self.api.api_keys:
+            raise APIError(403, "this endpoint needs a server started with --api-key", code="forbidden")
+
+    async def _residency(self, change, *args):
+        """Run a change of what the engine holds (`jinfer.residency`), its refusals as HTTP errors."""
+        try:
+            return await asyncio.to_thread(change, *args)
+        except RuntimeError as e:
+            raise APIError(409, str(e), code="busy") from None
+
+    async def update_weights(self, request: Request) -> Response:
+        """`{"path": DIR}`: the model's weights read from DIR (a Hugging Face directory of the same
+        model, a GGUF file or a jinfer checkpoint) served from the next step on (`Engine.
+        update_weights`); `{"weights_version"}` back; a 400 for weights that do not fit the model."""
+        self._check_admin()
+        body = await self.api._body(request)
+        if set(body) - {"path"} or not isinstance(body.get("path"), str) or not body["path"]:
+            raise APIError(400, 'the body must be {"path": a directory or file of weights}', param="path")
+        config = self.api.engine.config
+        try:
+            loaded = await asyncio.to_thread(
+                load_model, body["path"], quantization=config.quantization, placement=placement_for(config)
+            )
+        except (CheckpointError, ValueError, OSError) as e:
+            raise APIError(400, f"cannot read weights there: {e}", param="path") from None
+        try:
+            version = await self._residency(self.api.engine.update_weights, loaded.params)
+        except ValueError as e:
+            raise APIError(400, f"cannot serve those weights: {e}", param="path") from None
+        log.info("weights from %s: version %d", body["path"], version)
+        return JSONResponse({"weights_version": version})
+
+
+def admin_routes(api) -> list[Route]:
+    admin = Admin(api)
+    return [
+        Route("/v1/update_weights", admin.update_weights, methods=["POST"]),
+        Route("/sleep", admin.sleep, methods=["POST"]),
+        Route("/wake_up", admin.wake_up, methods=["POST"]),
+    ]
