@@ -15,10 +15,31 @@ refuses an engine with requests in flight, or one of several processes.
 
 from __future__ import annotations
 
+import time
+
 from jinfer.weights import replacement
+
+SETTLE_SECONDS = 5.0  # how long a server's loop is given to read its last dispatch
+
+
+def _settled(engine) -> bool:
+    """Whether the engine is idle once no request is left: the last dispatch of a finished
+    request may still be on the device, unread (offline it is read here; a server's loop reads it)."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        with engine._lock:
+            if engine._idle() or engine.scheduler.has_work:
+                return engine._idle()
+        if engine._thread is None:
+            engine.step()
+        elif time.monotonic() > deadline:
+            return False
+        else:
+            time.sleep(0.01)
 
 
 def _check_idle(engine, what: str) -> None:
+    """(Under the engine's lock, after `_settled`.)"""
     if engine.cluster is not None or not engine._idle():
         raise RuntimeError(f"{what} needs an idle engine of one process: requests are in flight")
 
@@ -27,6 +48,7 @@ def update_weights(engine, params) -> int:
     """Serve `params` from the next step on (`weights.replacement` says what they must be); the new
     weights version."""
     target = replacement(engine.params, params, engine.steps.model, engine.layout.packed_weights)
+    _settled(engine)
     with engine._lock:
         _check_idle(engine, "update_weights")
         engine.device.set_target(target)
@@ -40,6 +62,7 @@ def sleep(engine, level: int = 1) -> None:
     `wake_up`."""
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    _settled(engine)
     with engine._lock:
         _check_idle(engine, "sleep")
         engine.device.sleep(drop_weights=level == 2)

@@ -92,3 +92,19 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_answers(tiny_model
     assert _answers(llm) == before
     assert llm.engine.compile_count() == compiles
     assert llm.engine.weights_version == level - 1  # a level-2 wake-up reloads: a new version
+
+
+def test_weights_update_right_after_a_call_whose_last_dispatch_was_not_read(smollm2_llm):
+    """A chat ends at its end-of-turn token, which leaves the dispatch after it on the device,
+    unread; update_weights and sleep read it first rather than refuse an engine that only looks
+    busy. The embedded model's quantized weights go through update_weights as they are held."""
+    llm = smollm2_llm
+    ask = [[{"role": "user", "content": "What is the capital of France?"}]]
+    sampling = jinfer.SamplingParams(max_tokens=32, temperature=0)
+    answer = llm.chat(ask, sampling)[0]
+    assert answer.finish_reason == "stop"
+    llm.update_weights(llm.params)
+    assert llm.chat(ask, sampling)[0].text == answer.text
+    llm.sleep(1)
+    llm.wake_up()
+    assert llm.chat(ask, sampling)[0].text == answer.text
