@@ -158,6 +158,8 @@ class Device:
 
     def score(self, tokens):
         """`jinfer.scoring`'s program over tokens [1, T]: (chosen, top ids, top log-probs) on device."""
+        if self.weights_dropped:
+            raise RuntimeError("the weights were dropped (sleep level 2): wake_up or update_weights first")
         return self._call("score", (tokens,), lambda: self._score(self._score_params, tokens))
 
     # ---------------------------------------------------------------------------- warm-up

@@ -10,7 +10,8 @@ and sample in one process and servers that lend their memory to something else f
 
 None recompiles: every program takes the weights and the pool as arguments of the same shapes.
 Each empties the prefix cache (its pages' K/V are gone or were computed by other weights) and
-refuses an engine with requests in flight, or one of several processes.
+refuses an engine with requests in flight, or one of several processes. They are the `Engine`'s
+methods of those names, kept here beside each other (so they use its lock and loop).
 """
 
 from __future__ import annotations
@@ -22,24 +23,24 @@ from jinfer.weights import replacement
 SETTLE_SECONDS = 5.0  # how long a server's loop is given to read its last dispatch
 
 
-def _settled(engine) -> bool:
-    """Whether the engine is idle once no request is left: the last dispatch of a finished
-    request may still be on the device, unread (offline it is read here; a server's loop reads it)."""
+def _settle(engine) -> None:
+    """Once no request is left, the last dispatch of a finished one may still be on the device,
+    unread: offline it is read here; a server's loop is given SETTLE_SECONDS to read it."""
     deadline = time.monotonic() + SETTLE_SECONDS
     while True:
         with engine._lock:
             if engine._idle() or engine.scheduler.has_work:
-                return engine._idle()
+                return
         if engine._thread is None:
             engine.step()
         elif time.monotonic() > deadline:
-            return False
+            return
         else:
             time.sleep(0.01)
 
 
 def _check_idle(engine, what: str) -> None:
-    """(Under the engine's lock, after `_settled`.)"""
+    """(Under the engine's lock, after `_settle`.)"""
     if engine.cluster is not None or not engine._idle():
         raise RuntimeError(f"{what} needs an idle engine of one process: requests are in flight")
 
@@ -48,7 +49,7 @@ def update_weights(engine, params) -> int:
     """Serve `params` from the next step on (`weights.replacement` says what they must be); the new
     weights version."""
     target = replacement(engine.params, params, engine.steps.model, engine.layout.packed_weights)
-    _settled(engine)
+    _settle(engine)
     with engine._lock:
         _check_idle(engine, "update_weights")
         engine.device.set_target(target)
@@ -62,7 +63,7 @@ def sleep(engine, level: int = 1) -> None:
     `wake_up`."""
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-    _settled(engine)
+    _settle(engine)
     with engine._lock:
         _check_idle(engine, "sleep")
         engine.device.sleep(drop_weights=level == 2)
@@ -71,9 +72,11 @@ def sleep(engine, level: int = 1) -> None:
 
 
 def wake_up(engine) -> None:
-    """A fresh KV pool; the engine serves again. RuntimeError after a level-2 sleep until weights
-    came back (`update_weights`)."""
+    """A fresh KV pool; the engine serves again (an awake engine is left as it is). RuntimeError
+    after a level-2 sleep until weights came back (`update_weights`)."""
     with engine._lock:
+        if not engine.asleep:
+            return
         if engine.device.weights_dropped:
             raise RuntimeError("the weights were dropped (sleep level 2): update_weights brings them back")
         engine.device.wake_up()

@@ -88,7 +88,11 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_answers(tiny_model
     assert awake - asleep >= 0.9 * llm.engine.cache_bytes
     with pytest.raises(EngineUnavailable, match="asleep"):
         llm.generate([PROMPTS[1]], GREEDY)
+    if level == 2:
+        with pytest.raises(RuntimeError, match="dropped"):
+            llm.score([PROMPTS[1]])
     llm.wake_up()
+    llm.wake_up()  # awake: nothing changes
     assert _answers(llm) == before
     assert llm.engine.compile_count() == compiles
     assert llm.engine.weights_version == level - 1  # a level-2 wake-up reloads: a new version
