@@ -128,12 +128,7 @@ def _validate(p: SamplingParams) -> None:
         if high is not None and value > high:
             raise RequestError(f"{name} must be <= {high}, got {value}", name)
 
-    def integer(name, value, minimum, maximum=INT32_MAX):
-        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
-            raise RequestError(
-                f"{name} must be an integer in [{minimum}, {maximum}], got {_short(value)}", name
-            )
-
+    integer = _check_integer
     number("temperature", low=0)
     number("top_p", low=0, low_open=True, high=1)
     number("min_p", low=0, high=1)
@@ -156,17 +151,7 @@ def _validate(p: SamplingParams) -> None:
         raise RequestError(f"speculative must be true or false, got {_short(p.speculative)}", "speculative")
     if not isinstance(p.ignore_eos, bool):
         raise RequestError(f"ignore_eos must be true or false, got {_short(p.ignore_eos)}", "ignore_eos")
-    if p.logit_bias is not None:
-        if not isinstance(p.logit_bias, Mapping):
-            raise RequestError("logit_bias must map token ids to biases", "logit_bias")
-        for token, bias in p.logit_bias.items():
-            integer("logit_bias token id", token, 0)
-            if not _finite_number(bias):
-                raise RequestError(
-                    f"logit_bias[{token}] must be a finite number, got {_short(bias)}", "logit_bias"
-                )
-            if abs(bias) > 100:
-                raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}", "logit_bias")
+    _validate_logit_bias(p.logit_bias)
     if isinstance(p.stop, str):
         object.__setattr__(p, "stop", (p.stop,))
     if p.stop is not None:
@@ -184,6 +169,26 @@ def _validate(p: SamplingParams) -> None:
         for token in p.stop_token_ids:
             integer("stop_token_ids entry", token, 0)
         object.__setattr__(p, "stop_token_ids", tuple(p.stop_token_ids))
+
+
+def _check_integer(name: str, value, minimum: int, maximum: int = INT32_MAX) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise RequestError(f"{name} must be an integer in [{minimum}, {maximum}], got {_short(value)}", name)
+
+
+def _validate_logit_bias(logit_bias) -> None:
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, Mapping):
+        raise RequestError("logit_bias must map token ids to biases", "logit_bias")
+    for token, bias in logit_bias.items():
+        _check_integer("logit_bias token id", token, 0)
+        if not _finite_number(bias):
+            raise RequestError(
+                f"logit_bias[{token}] must be a finite number, got {_short(bias)}", "logit_bias"
+            )
+        if abs(bias) > 100:
+            raise RequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}", "logit_bias")
 
 
 def _validate_constraint(p: SamplingParams) -> None:
