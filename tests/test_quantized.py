@@ -74,18 +74,70 @@ def test_blocks_hold_exactly_what_ggml_dequantizes_to(format):
     )
 
 
+# The formats whose products quantize the activations to 8 bits (as llama.cpp does) and multiply
+# integers; the others' products are float ones over the dequantized weights.
+INTEGER_PRODUCTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+
+
+def integer_parts(format: str, raw: np.ndarray, cols: int):
+    """ggml's blocks [rows, ...] -> per row and block of 32 the scale d, the offset m (None
+    without one), and the integers as w = d q + m takes them [rows, cols]."""
+    fmt = FORMATS[format]
+    records = quantized.records_from_ggml(fmt, raw).reshape(raw.shape[0], cols // 32, -1)
+    halves = lambda at: records[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d, m = halves(0), halves(2) if format in ("q4_1", "q5_1") else None
+    start = 4 if m is not None else 2
+    if format in ("q4_0", "q4_1"):
+        nibbles = records[..., start:].astype(np.int32)
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1) - (8 if format == "q4_0" else 0)
+    else:
+        q = records[..., start:].view(np.int8 if fmt.signed else np.uint8).astype(np.int32)
+    return d, m, q.reshape(raw.shape[0], cols)
+
+
+def fma(a, b, c):
+    return (a.astype(np.float64) * b + c).astype(np.float32)
+
+
+def integer_product(format: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The integer-product formats' arithmetic, the kernel's exactness reference: per column and
+    32 inputs, d = max |x| / 127 and q = x / d rounded to nearest even; per block, the exact
+    integer sum of w's integers times q, and a row's float sum acc = fma(d_w d, isum, acc), then
+    with an offset m, acc = fma(m, d sum(q), acc), block after block."""
+    cols, columns = x.shape
+    d_w, m_w, w = integer_parts(format, raw, cols)
+    blocks = x.T.reshape(columns, cols // 32, 32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    q = np.rint(blocks / np.where(d > 0, d, 1)[..., None]).astype(np.int64)
+    acc = np.zeros((w.shape[0], columns), np.float32)
+    for g in range(cols // 32):
+        isum = w[:, 32 * g : 32 * g + 32].astype(np.int64) @ q[:, g].T  # [rows, columns]
+        acc = fma(d_w[:, g, None] * d[None, :, g], isum.astype(np.float32), acc)
+        if m_w is not None:
+            d_sum = d[:, g] * q[:, g].sum(axis=-1).astype(np.float32)
+            acc = fma(np.broadcast_to(m_w[:, g, None], acc.shape), d_sum[None, :], acc)
+    return acc
+
+
 @pytest.mark.parametrize("format", sorted(FORMATS))
 @pytest.mark.parametrize("columns", [1, 2, 3, 5, 8, 9, 16, 17, 32, 33])
-def test_kernel_products_equal_the_dequantized_product(format, columns):
-    """Every column count the kernel tiles differently (and past MAX_COLUMNS, the dequantized dot)
-    gives the float64 product of the dequantized matrix to float32 rounding."""
+def test_kernel_products_equal_their_reference(format, columns):
+    """Every column count the kernel tiles differently (and past MAX_COLUMNS, in slices) gives:
+    for the integer-product formats, `integer_product`'s bits, which are the dequantized product
+    but for the activations' 8-bit rounding; for the others, the float64 product of the
+    dequantized matrix to float32 rounding."""
     assert cpu_quant_matmul.available()
     cols = width(format, 2)
     w, reference = weight(format, 45, cols, seed=columns)
     x = np.random.default_rng(columns).standard_normal((cols, columns)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x: quantized.project(w, x, (45,)))(x))
     want = reference.astype(np.float64) @ x.astype(np.float64)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    if format in INTEGER_PRODUCTS:
+        raw = random_blocks(format, 45, cols, seed=columns)
+        np.testing.assert_array_equal(got, integer_product(format, raw, x))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("format", sorted(FORMATS))
@@ -135,9 +187,21 @@ def tiny_q41(tiny_model, tmp_path_factory):
     return path
 
 
-def test_gguf_matrices_load_as_their_blocks(tiny_q41):
+def q8_reference_project(w, x, out_dims):
+    """An integer-product format's product as XLA computes it: the dequantized matrix times the
+    columns rounded to 8 bits per 32 inputs (the kernel's arithmetic but for the order of sums)."""
+    values = quantized.dequantize(w).reshape(w.out_features, w.in_features)
+    blocks = x.reshape(x.shape[0] // 32, 32, -1)
+    d = jnp.abs(blocks).max(axis=1, keepdims=True) / 127
+    rounded = (jnp.round(blocks / jnp.where(d > 0, d, 1)) * d).reshape(x.shape)
+    out = jnp.dot(values, rounded, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(*out_dims, x.shape[1])
+
+
+def test_gguf_matrices_load_as_their_blocks(tiny_q41, monkeypatch):
     """Q4_1 matrices stay as blocks (no float copy); dequantized they are what the dequantizing
-    loader gives; the model's logits through the kernel are the float path's on those values."""
+    loader gives; the model's logits through the kernel are those of the dequantized values
+    multiplied by activations rounded to 8 bits (within 8-bit rounding of the float model's)."""
     kept, plain = load_gguf(tiny_q41), load_gguf(tiny_q41, quantization="none")
     layer = kept.params.layers[0]
     assert all(quantized.is_quantized(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
@@ -153,8 +217,11 @@ def test_gguf_matrices_load_as_their_blocks(tiny_q41):
         hidden, _ = llama.forward(params, ids, positions, kept.config)
         return np.asarray(llama.logits(params, hidden[:, -3:]))  # few columns: the kernel
 
-    want = logits(plain.params)
-    np.testing.assert_allclose(logits(kept.params), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    got, floats = logits(kept.params), logits(plain.params)
+    monkeypatch.setattr(quantized, "project", q8_reference_project)
+    want = logits(kept.params)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, floats, rtol=0, atol=0.1 * np.abs(floats).max())
 
 
 def test_engine_keeps_blocks_unless_asked_not_to(tiny_q41, caplog):
@@ -170,23 +237,17 @@ def test_engine_keeps_blocks_unless_asked_not_to(tiny_q41, caplog):
 
 @pytest.mark.slow
 def test_smollm2_q4_1_greedy_and_memory_match_the_dequantized_model(smollm2_path):
-    """The embedded Q4_1 file served from its blocks: greedy continuations identical to the
-    dequantized model for 32 tokens, in a crowd too (served as `jinfer serve` does: one decode
-    step a dispatch, one prompt piece an iteration, so the crowd's decode rows share forwards with
-    the prompts); its weights held within 1.3x the file's tensor bytes (4.5-8.5 bits a weight,
-    not 32)."""
+    """The embedded Q4_1 file served from its blocks: greedy continuations identical alone and
+    in a crowd (served as `jinfer serve` does: one decode step a dispatch, one prompt piece an
+    iteration, so the crowd's decode rows share forwards with the prompts); its weights held
+    within 1.3x the file's tensor bytes (4.5-8.5 bits a weight, not 32)."""
     from jinfer.formats.gguf import read_gguf
 
-    options = dict(max_slots=4, max_seq_len=256)
-    kept = LLM(decode_steps=1, max_num_batched_tokens=64, **options)
-    plain = LLM(quantization="none", **options)
+    kept = LLM(decode_steps=1, max_num_batched_tokens=64, max_slots=4, max_seq_len=256)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = ["Once upon a time, there was a little", "The three primary colors are", "def fib(n):"]
-    for prompt in prompts:
-        want = plain.generate([prompt], greedy)[0].token_ids
-        assert kept.generate([prompt], greedy)[0].token_ids == want
-    crowd = kept.generate(prompts, greedy)
-    assert [c.token_ids for c in crowd] == [c.token_ids for c in plain.generate(prompts, greedy)]
+    alone = [kept.generate([prompt], greedy)[0].token_ids for prompt in prompts]
+    assert [c.token_ids for c in kept.generate(prompts, greedy)] == alone
     assert kept.engine.dispatch_counts.mixed_dispatches > 0
     file_bytes = sum(t.n_bytes for t in read_gguf(smollm2_path).tensors)
     held = sum(a.nbytes for a in jax.tree.leaves(kept.engine.params))
@@ -218,8 +279,10 @@ def perplexity(params, cfg, ids: np.ndarray) -> float:
 
 @pytest.mark.slow
 def test_perplexity_int8_and_q4_1_against_float32(smollm2_path):
-    """On a fixed text: the Q4_1 file's blocks give the perplexity of its dequantized values; int8
-    (per output channel, of those float values) stays within 0.5% of them."""
+    """On a fixed text, against the Q4_1 file's values dequantized to float32: the file served
+    from its blocks (activations rounded to 8 bits for its integer products, as llama.cpp does)
+    and int8 (per output channel, of those float values, multiplied the same way) stay within 2%
+    of their perplexity (0.9% and 0.3% when this test was written)."""
     from jinfer.formats.params import placed
     from jinfer.loading import load_model
     from jinfer.models.params import is_spec, param_specs
@@ -230,8 +293,8 @@ def test_perplexity_int8_and_q4_1_against_float32(smollm2_path):
     int8 = jax.tree.map(as_int8, param_specs(plain.config), plain.params, is_leaf=is_spec)
     assert quantized.formats_held(int8) == {"q8_0": 121}
     float32 = perplexity(plain.params, plain.config, ids)
-    assert perplexity(kept.params, kept.config, ids) == pytest.approx(float32, rel=1e-4)
-    assert perplexity(int8, plain.config, ids) == pytest.approx(float32, rel=5e-3)
+    assert perplexity(kept.params, kept.config, ids) == pytest.approx(float32, rel=2e-2)
+    assert perplexity(int8, plain.config, ids) == pytest.approx(float32, rel=2e-2)
     assert 1 < float32 < 100  # the model reads the text as text
 
 
@@ -274,18 +337,26 @@ def _in_fresh_process(script: str, env: dict) -> str:
     return run.stdout
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx512f is an x86 flag")
-def test_the_8_row_build_for_cpus_without_avx512_gives_the_same_products():
+# Builds standing in for other x86 CPUs: 8 rows (no AVX-512) with AVX-VNNI's 256-bit integer dot
+# products where this CPU has them, then with AVX2's maddubs alone (a Zen 3); 16 rows with AVX-512's
+# maddubs where this CPU has AVX-512 but the flag takes VNNI away (a Skylake-X).
+OTHER_BUILDS = {"-mno-avx512f": 8, "-mno-avx512f -mno-avxvnni": 8, "-mno-avx512vnni": None}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="these are x86 flags")
+@pytest.mark.parametrize("flags", sorted(OTHER_BUILDS))
+def test_builds_for_other_cpus_give_the_same_products(flags):
+    rows = OTHER_BUILDS[flags]
     script = (
         "import test_quantized as t; from jinfer.kernels import cpu_quant_matmul as k\n"
-        "assert k.block_rows() == 8, k.block_rows()\n"
+        f"assert {rows} is None or k.block_rows() == {rows}, k.block_rows()\n"
         "for f in sorted(t.FORMATS):\n"
-        "    for n in (1, 3, 8, 17): t.test_kernel_products_equal_the_dequantized_product(f, n)\n"
+        "    for n in (1, 3, 8, 17): t.test_kernel_products_equal_their_reference(f, n)\n"
         "    t.test_a_columns_products_do_not_depend_on_its_neighbours(f)\n"
         "    t.test_blocks_hold_exactly_what_ggml_dequantizes_to(f)\n"
         "print('checked')"
     )
-    assert "checked" in _in_fresh_process(script, {"JINFER_KERNEL_CXXFLAGS": "-mno-avx512f"})
+    assert "checked" in _in_fresh_process(script, {"JINFER_KERNEL_CXXFLAGS": flags})
 
 
 def test_without_the_kernel_quantized_weights_are_dequantized(tiny_q41, tmp_path):

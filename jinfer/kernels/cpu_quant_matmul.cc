@@ -9,19 +9,28 @@
 //   Q6_K  256 inputs: d; per 16 sc int8, q int8 (6 bits - 32)    w = d sc q
 //   Q5_0 is held as Q8_0 (q - 16 as int8); Q5_1 and Q5_K as Q4_1 and Q4_K with a byte per q.
 // The blocks are regrouped as the float kernel (cpu_matmul.cc) packs its rows: R rows (one vector
-// register of floats) side by side, so one load gives the R rows' integers for one input index,
-// and they are widened, scaled into float weights in registers and multiplied by each column's
-// x[k, c] into one running R-row sum per column. Activations and sums stay float32.
+// register of floats) side by side. Two arithmetics:
+//  - Q8_0 / Q5_0, Q4_0, Q4_1, Q5_1 are integer products (see "Integer products" below): each column
+//    quantized to 8 bits per 32 inputs, as llama.cpp does, and a block's integers multiplied by
+//    dot-product instructions, 4 inputs of R rows in one vector.
+//  - The K-quants (Q4_K, Q5_K, Q6_K): one load gives the R rows' integers for one input index, and
+//    they are widened, scaled into float weights in registers and multiplied by each column's
+//    x[k, c] into one running R-row sum per column. Activations and sums stay float32.
 //
 // Operands: blocks uint8 [ceil(M / R), K / group, R x record bytes], x float32 [K, N]
 // (row-major); attribute `format` (0 Q8_0 / Q5_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_1,
 // 6 Q5_K). Result: y float32 [R ceil(M / R), N]. A group of a block row (R rows x `group` inputs)
 // holds each field of the records in turn (jinfer/models/quantized.py), R side by side: float16
-// scales first, then bytes, integers input index-major. 4-bit integers: per 32 inputs, byte j of a row holds input j in its
-// low nibble and input j + 16 in its high one (ggml's order inside a Q4_0 / Q4_1 block).
+// scales first, then bytes, integers input index-major (those of the integer products 4 inputs of a
+// row together: bytes 4t..4t+3 of R rows side by side, quad after quad; Q8_0 / Q5_0's int8 held as
+// q + 128). 4-bit integers: per 32 inputs, byte j of a row holds input j in its low nibble and
+// input j + 16 in its high one (ggml's order inside a Q4_0 / Q4_1 block).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -102,7 +111,7 @@ inline Rows Halves(const uint8_t* p) {
 #endif
 }
 
-// Block rows [b, b + B) x columns [c0, c0 + n), in one pass over their groups.
+// Block rows [b, b + B) x columns [c0, c0 + n) of a K-quant, in one pass over their groups.
 //
 // Every output is one running sum over the inputs in a fixed order (a block's inputs in turn;
 // for 4-bit blocks input j, then j + 16), whatever the tile: a column's products are the same
@@ -161,17 +170,9 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
         __builtin_prefetch(group[i] + kPrefetchBytes + line, 0, 1);
     }
     const float* xg = x + g * kInputs<F> * N + c0;
-    Rows d[B], m[B];
+    Rows d[B];
     halves(0, d);
-    if constexpr (F == kQ8_0) {
-      bytes(2 * kRows, d, xg, kGroup);
-    } else if constexpr (F == kQ4_0) {
-      for (int i = 0; i < B; ++i) m[i] = d[i] * -8.0f;
-      nibbles(2 * kRows, d, m, xg);
-    } else if constexpr (F == kQ4_1) {
-      halves(2 * kRows, m);
-      nibbles(4 * kRows, d, m, xg);
-    } else if constexpr (F == kQ4_K || F == kQ5_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs
+    if constexpr (F == kQ4_K || F == kQ5_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs
       Rows dmin[B], scale[B], offset[B];
       halves(2 * kRows, dmin);
       for (int s = 0; s < 8; ++s) {
@@ -183,10 +184,8 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
         else  // a byte per input
           unsigned_bytes((20 + 32 * s) * kRows, scale, offset, xg + kGroup * s * N, kGroup);
       }
-    } else if constexpr (F == kQ5_1) {
-      halves(2 * kRows, m);
-      unsigned_bytes(4 * kRows, d, m, xg, kGroup);
     } else {  // Q6_K: d, sc[16] int8, then 16 x 16 inputs of int8
+      static_assert(F == kQ6_K, "the other formats are integer products (IntegerTile)");
       Rows scale[B];
       for (int s = 0; s < 16; ++s) {
         scaled(d, (2 + s) * kRows, scale, true);
@@ -199,37 +198,243 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
       for (int r = 0; r < kRows; ++r) y[((b + i) * kRows + r) * N + c0 + c] = acc[i][c][r];
 }
 
-// Tile<F, n, B> for n = columns, 1 <= columns <= kPassColumns.
-template <Format F, int B, int n = kPassColumns>
-void TileOf(int64_t columns, const uint8_t* blocks, const float* x, float* y, int64_t groups, int64_t N,
+// ---- Integer products: Q8_0 / Q5_0, Q4_0, Q4_1, Q5_1 ----
+//
+// For these formats each column is first quantized as llama.cpp quantizes activations for them, per
+// 32 inputs: d = max |x| / 127 and q = x / d rounded to nearest even (all 0 where d is 0; d NaN where
+// an input is not finite, so the product is NaN as a float one would be), with the integers' sum.
+// A block's product is then exact integer arithmetic, isum = sum_j (u_j - o) q_j, where u is the
+// integer as held (unsigned: Q8_0 / Q5_0 hold q + 128, o = 128; Q4_0's o is 8; 0 for the formats
+// with an offset m), and the running float sum of a row and a column takes block after block
+//   acc = fma(d_w d, isum, acc)      and then, with m:      acc = fma(m, d sum_j q_j, acc).
+// That is the reference these formats are exact to (tests/test_quantized.py holds it in numpy);
+// the dequantized float product differs from it by the activations' 8-bit rounding.
+// Each row's integers are held 4 inputs together (a quad of bytes per int32 lane, R rows side by
+// side), so one dot-product instruction (VNNI's vpdpbusd, or maddubs + madd) adds 4 products to each
+// of R rows; the integers are exact, so every instruction set gives the same bits.
+
+template <Format F>
+constexpr bool kIntegerProduct = F == kQ8_0 || F == kQ4_0 || F == kQ4_1 || F == kQ5_1;
+template <Format F>
+constexpr bool kHasOffset = F == kQ4_1 || F == kQ5_1;  // w = d q + m
+template <Format F>
+constexpr int kZeroPoint = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : 0;  // o above
+
+#if defined(__AVX512F__) ? defined(__AVX512VNNI__) || !defined(__AVX512BW__) \
+                         : defined(__AVXVNNI__) || !defined(__AVX2__)
+constexpr bool kDotTakesWholeBytes = true;  // vpdpbusd, or the lane by lane loop
+#else
+constexpr bool kDotTakesWholeBytes = false;  // maddubs: a pair of products must fit int16
+#endif
+
+// acc + for each int32 lane the 4 products of u's bytes (unsigned) and x's (signed). Where
+// kDotTakesWholeBytes is false, u's bytes must be < 128.
+inline Ints Dot4(Ints acc, Ints u, Ints x) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return (Ints)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)x);
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return acc + (Ints)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)x), _mm512_set1_epi16(1));
+#elif !defined(__AVX512F__) && defined(__AVXVNNI__)
+  return (Ints)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)x);
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+  return acc + (Ints)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)x), _mm256_set1_epi16(1));
+#else
+  for (int r = 0; r < kRows; ++r)
+    for (int k = 0; k < 4; ++k)
+      acc[r] += static_cast<int32_t>((static_cast<uint32_t>(u[r]) >> (8 * k)) & 255) *
+                static_cast<int8_t>((static_cast<uint32_t>(x[r]) >> (8 * k)) & 255);
+  return acc;
+#endif
+}
+
+// Dot4 for bytes of any value: split into nibbles where the instruction needs them small.
+inline Ints Dot4Bytes(Ints acc, Ints u, Ints x) {
+  if constexpr (kDotTakesWholeBytes) return Dot4(acc, u, x);
+  const Ints low = u & 0x0F0F0F0F, high = (u >> 4) & 0x0F0F0F0F;
+  return Dot4(acc, low, x) + (Dot4(Ints{}, high, x) << 4);
+}
+
+inline Ints LoadInts(const uint8_t* p) {
+  Ints v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The columns quantized as above: q int8 [N, K] (a column's inputs together), and per column and
+// block of 32 inputs [N, K / 32] the scale d, the integers' sum and d times that sum.
+struct QuantizedColumns {
+  std::vector<int8_t> q;
+  std::vector<float> d, d_sum;
+  std::vector<int32_t> sum;
+  int64_t K = 0, groups = 0;
+};
+
+// Values rounded to the nearest integer, ties to even (std::nearbyint in the default mode).
+inline Rows RoundEven(Rows v) {
+#if defined(__AVX512F__)
+  return (Rows)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX__)
+  return (Rows)_mm256_round_ps((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  for (int r = 0; r < kRows; ++r) v[r] = std::nearbyint(v[r]);
+  return v;
+#endif
+}
+
+// Block g of columns [c0, c0 + R), a column per lane: the arithmetic of the one-column loop in
+// QuantizeColumns, lane by lane (IEEE division and rounding: the same bits).
+void QuantizeLanes(const float* x, int64_t N, int64_t c0, int64_t g, QuantizedColumns& out) {
+  Rows values[kGroup], largest{};
+  Ints infinite{};
+  for (int j = 0; j < kGroup; ++j) {
+    values[j] = jinfer::Load<Rows>(x + (g * kGroup + j) * N + c0);
+    const Rows size = values[j] < 0 ? -values[j] : values[j];
+    infinite |= ~(size <= std::numeric_limits<float>::max());  // NaN too
+    largest = size > largest ? size : largest;
+  }
+  const Rows d = infinite != 0 ? Broadcast<Rows>(std::numeric_limits<float>::quiet_NaN()) : largest / 127.0f;
+  const Rows divisor = d > 0 ? d : Broadcast<Rows>(1.0f);
+  Ints sum{};
+  for (int j = 0; j < kGroup; ++j) {
+    const Ints q = d > 0 ? __builtin_convertvector(RoundEven(values[j] / divisor), Ints) : Ints{};
+    for (int r = 0; r < kRows; ++r) out.q[(c0 + r) * out.K + g * kGroup + j] = static_cast<int8_t>(q[r]);
+    sum += q;
+  }
+  const Rows d_sum = d * __builtin_convertvector(sum, Rows);
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t at = (c0 + r) * out.groups + g;
+    out.d[at] = d[r], out.sum[at] = sum[r], out.d_sum[at] = d_sum[r];
+  }
+}
+
+void QuantizeColumns(const float* x, int64_t K, int64_t N, QuantizedColumns& out) {
+  const int64_t groups = K / kGroup;
+  out.K = K, out.groups = groups;
+  out.q.resize(N * K), out.d.resize(N * groups), out.d_sum.resize(N * groups), out.sum.resize(N * groups);
+  int64_t c = 0;
+  for (; c + kRows <= N; c += kRows)
+    for (int64_t g = 0; g < groups; ++g) QuantizeLanes(x, N, c, g, out);
+  float values[kGroup];
+  for (; c < N; ++c)
+    for (int64_t g = 0; g < groups; ++g) {
+      float largest = 0;
+      bool finite = true;
+      for (int j = 0; j < kGroup; ++j) {
+        values[j] = x[(g * kGroup + j) * N + c];
+        finite = finite && std::isfinite(values[j]);
+        largest = std::max(largest, std::fabs(values[j]));
+      }
+      const float d = finite ? largest / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      int32_t sum = 0;
+      for (int j = 0; j < kGroup; ++j) {
+        const int32_t q = d > 0 ? static_cast<int32_t>(std::nearbyint(values[j] / d)) : 0;
+        out.q[c * K + g * kGroup + j] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      out.d[c * groups + g] = d, out.sum[c * groups + g] = sum;
+      out.d_sum[c * groups + g] = d * static_cast<float>(sum);
+    }
+}
+
+// Block rows [b, b + B) x columns [c0, c0 + n) of an integer-product format, as Tile does for the
+// others (each output one running sum over the blocks in order, whatever the tile).
+template <Format F, int n, int B>
+inline void IntegerTile(const uint8_t* blocks, const QuantizedColumns& x, float* y, int64_t groups, int64_t N,
+                        int64_t b, int64_t c0) {
+  constexpr int64_t kQuadBytes = 4 * kRows;  // 4 inputs of R rows
+  constexpr int64_t kIntegersAt = (kHasOffset<F> ? 4 : 2) * kRows;
+  Rows acc[B][n] = {};
+  const uint8_t* group[B];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < B; ++i) {
+      group[i] = blocks + ((b + i) * groups + g) * kGroupBytes<F>;
+      for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
+        __builtin_prefetch(group[i] + kPrefetchBytes + line, 0, 1);
+    }
+    // inputs [j, j + 4) of column c as one int32 in every lane
+    auto inputs = [&](int c, int j) {
+      int32_t four;
+      std::memcpy(&four, x.q.data() + (c0 + c) * x.K + g * kGroup + j, 4);
+      return Ints{} + four;
+    };
+    Ints sums[B][n] = {};
+    if constexpr (F == kQ4_0 || F == kQ4_1) {  // quad t: inputs 4t.. (low nibbles), 16 + 4t.. (high)
+      for (int t = 0; t < 4; ++t)
+        for (int i = 0; i < B; ++i) {
+          const Ints v = LoadInts(group[i] + kIntegersAt + t * kQuadBytes);
+          const Ints low = v & 0x0F0F0F0F, high = (v >> 4) & 0x0F0F0F0F;
+          for (int c = 0; c < n; ++c)
+            sums[i][c] = Dot4(Dot4(sums[i][c], low, inputs(c, 4 * t)), high, inputs(c, 16 + 4 * t));
+        }
+    } else {  // a byte per input: quad t holds inputs 4t..
+      for (int t = 0; t < 8; ++t)
+        for (int i = 0; i < B; ++i) {
+          const Ints v = LoadInts(group[i] + kIntegersAt + t * kQuadBytes);
+          for (int c = 0; c < n; ++c)
+            sums[i][c] = F == kQ8_0 ? Dot4Bytes(sums[i][c], v, inputs(c, 4 * t)) : Dot4(sums[i][c], v, inputs(c, 4 * t));
+        }
+    }
+    for (int i = 0; i < B; ++i) {
+      const Rows d = Halves(group[i]);
+      const Rows m = kHasOffset<F> ? Halves(group[i] + 2 * kRows) : Rows{};
+      for (int c = 0; c < n; ++c) {
+        const int64_t at = (c0 + c) * x.groups + g;
+        const Ints sum = sums[i][c] - kZeroPoint<F> * x.sum[at];
+        acc[i][c] = MulAdd(d * Broadcast<Rows>(x.d[at]), __builtin_convertvector(sum, Rows), acc[i][c]);
+        if constexpr (kHasOffset<F>) acc[i][c] = MulAdd(m, Broadcast<Rows>(x.d_sum[at]), acc[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < n; ++c)
+      for (int r = 0; r < kRows; ++r) y[((b + i) * kRows + r) * N + c0 + c] = acc[i][c][r];
+}
+
+// A call's columns: as floats, and quantized where the format's product is an integer one.
+struct Columns {
+  const float* x;
+  const QuantizedColumns* quantized;
+};
+
+template <Format F>  // running sums in registers: an integer tile holds the blocks' integer sums too
+constexpr int kPassColumnsOf = kIntegerProduct<F> ? kPassColumns / 2 : kPassColumns;
+
+// The tile for n = columns, 1 <= columns <= kPassColumnsOf<F>.
+template <Format F, int B, int n = kPassColumnsOf<F>>
+void TileOf(int64_t columns, const uint8_t* blocks, const Columns& x, float* y, int64_t groups, int64_t N,
             int64_t b, int64_t c0) {
   if constexpr (n > 1)
     if (columns < n) return TileOf<F, B, n - 1>(columns, blocks, x, y, groups, N, b, c0);
-  Tile<F, n, B>(blocks, x, y, groups, N, b, c0);
+  if constexpr (kIntegerProduct<F>)
+    IntegerTile<F, n, B>(blocks, *x.quantized, y, groups, N, b, c0);
+  else
+    Tile<F, n, B>(blocks, x.x, y, groups, N, b, c0);
 }
 
 // Block rows [b, end) B at a time while B of them remain, every column in passes of
-// kPassColumns; returns the first block row left.
+// kPassColumnsOf<F>; returns the first block row left.
 template <Format F, int B>
-int64_t RowsBy(const uint8_t* blocks, const float* x, float* y, int64_t groups, int64_t N, int64_t b,
+int64_t RowsBy(const uint8_t* blocks, const Columns& x, float* y, int64_t groups, int64_t N, int64_t b,
                int64_t end) {
+  constexpr int64_t pass = kPassColumnsOf<F>;
   for (; b + B <= end; b += B)
-    for (int64_t c0 = 0; c0 < N; c0 += kPassColumns)
-      TileOf<F, B>(std::min<int64_t>(kPassColumns, N - c0), blocks, x, y, groups, N, b, c0);
+    for (int64_t c0 = 0; c0 < N; c0 += pass) TileOf<F, B>(std::min(pass, N - c0), blocks, x, y, groups, N, b, c0);
   return b;
 }
 
 template <Format F>
-void Run(ffi::ThreadPool& pool, const uint8_t* blocks, const float* x, float* y, int64_t rows_blocks,
+void Run(ffi::ThreadPool& pool, const uint8_t* blocks, const Columns& x, float* y, int64_t rows_blocks,
          int64_t groups, int64_t N) {
   const int64_t tasks = (rows_blocks + kBlocksPerTask - 1) / kBlocksPerTask;
   jinfer::RunTasks(pool, jinfer::PoolCores(pool), tasks, [=](int64_t task) {
     const int64_t end = std::min(rows_blocks, (task + 1) * kBlocksPerTask);
     int64_t b = task * kBlocksPerTask;
     // Block rows taken together: enough sums in flight for one or two columns (4-bit blocks make
-    // two dependent products per input pair, so each sum's chain is long).
-    if (N == 1) b = RowsBy<F, 8>(blocks, x, y, groups, N, b, end);
-    if (N <= 2) b = RowsBy<F, 4>(blocks, x, y, groups, N, b, end);
+    // two dependent products per input pair, so each sum's chain is long). An integer tile's
+    // block sums take registers too: fewer block rows with AVX2's 16.
+    constexpr bool narrow = kIntegerProduct<F> && kRows == 8;
+    if (N == 1) b = RowsBy<F, narrow ? 4 : 8>(blocks, x, y, groups, N, b, end);
+    if (N <= 2) b = RowsBy<F, narrow ? 2 : 4>(blocks, x, y, groups, N, b, end);
     RowsBy<F, 1>(blocks, x, y, groups, N, b, end);
   });
 }
@@ -250,8 +455,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer
         std::to_string(group_bytes[format]) +
         "], x [K, N] and y [" + std::to_string(kRows) + " B, N] expected");
   const uint8_t* w = blocks.typed_data();
-  const float* columns = x.typed_data();
   float* out = y->typed_data();
+  thread_local QuantizedColumns quantized;  // kept between calls: no allocation per call
+  if (format == kQ8_0 || format == kQ4_0 || format == kQ4_1 || format == kQ5_1)
+    QuantizeColumns(x.typed_data(), xd[0], xd[1], quantized);
+  const Columns columns{x.typed_data(), &quantized};
   if (format == kQ8_0) Run<kQ8_0>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   if (format == kQ4_0) Run<kQ4_0>(pool, w, columns, out, bd[0], bd[1], xd[1]);
   if (format == kQ4_1) Run<kQ4_1>(pool, w, columns, out, bd[0], bd[1], xd[1]);

@@ -1,5 +1,6 @@
 """The CPU quantized matmul kernel (`cpu_quant_matmul.cc`): a few columns times a weight matrix
-held as Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks, dequantized in registers.
+held as Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks (integer products over the columns quantized to 8
+bits, as llama.cpp multiplies them) or Q4_K / Q5_K / Q6_K blocks (dequantized in registers).
 
 The blocks' layout (R rows side by side per group of 32 inputs, R = `block_rows()`) is made by
 `jinfer.models.quantized`, which also owns the formats; this module only calls the kernel.

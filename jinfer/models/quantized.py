@@ -19,16 +19,23 @@ records per row (`records_from_ggml`; for the 32-input types ggml's bytes as the
 weight in different formats stay apart: `HostStack` -> `StackedWeight`).
 `QuantizedWeight.from_host` regroups the records for the CPU kernel
 (`jinfer.kernels.cpu_quant_matmul`): per group of inputs, R rows side by side (R =
-`block_rows()`), field by field, float16 scales first, integers input-major. Nothing is
-dequantized on the way, so a weight holds about the file's bytes.
+`block_rows()`), field by field, float16 scales first, integers input-major (4 inputs of a row
+together for the integer products). Nothing is dequantized on the way, so a weight holds about the
+file's bytes.
 
-Products (`project`) run the kernel, which dequantizes in registers, over `MAX_COLUMNS` columns
-at a time: a prompt's hundreds of columns in slices of them. (Dequantizing the whole matrix in the
-step for XLA's dot cost SmolLM2's Q4_1 file ~210 ms a prefill dispatch on a 2-core EPYC: 64
-prompt tokens in 314 against 103 ms sliced, 512 in 932 against 794; scripts/bench_budget.py.)
-A column's bits are then the kernel's whatever the product's count, decode's and prompt's alike.
-Without the kernel every product multiplies the dequantized matrix by XLA's dot. Embedding rows
-are gathered from the blocks (`take_rows`).
+Products (`project`) run the kernel over `MAX_COLUMNS` columns at a time: a prompt's hundreds of
+columns in slices of them. Two arithmetics, by format: q8_0, q5_0, q4_0, q4_1 and q5_1 (and int8)
+are integer products, as llama.cpp computes them: each column rounded to 8 bits per 32 inputs
+(scale max |x| / 127), a block's integer dot product exact, and the scales applied in float32,
+block after block (the kernel's source says the exact order; tests/test_quantized.py holds it in
+numpy). Their results are those of the dequantized matrix times the rounded columns, so they
+differ from the dequantized float product by that rounding (SmolLM2's Q4_1 file: perplexity of a
+test text within 1% of the dequantized model's). The K-quants dequantize in registers and
+multiply float32 columns. Either way a column's bits are the kernel's whatever the product's
+count, decode's and prompt's alike. (Dequantizing the whole matrix in the step for XLA's dot cost
+SmolLM2's Q4_1 file ~210 ms a prefill dispatch on a 2-core EPYC.) Without the kernel the engine
+dequantizes at load (`layout.why_dequantized`); `project` then multiplies the dequantized matrix by
+XLA's dot. Embedding rows are gathered from the blocks (`take_rows`).
 """
 
 from __future__ import annotations
@@ -58,15 +65,19 @@ class QuantFormat:
     group: int
     fields: tuple[tuple[str, int, int], ...]
     ggml_block_bytes: int
+    signed: bool = False  # int8 integers, which the kernel holds as unsigned bytes q + 128
 
     @property
     def record_bytes(self) -> int:
         return sum(count * size for _, count, size in self.fields)
 
 
-_NIBBLES = ("q", 16, 1)  # 32 4-bit integers: byte j holds input j (low nibble) and j + 16 (high)
+# The integers of the formats the kernel multiplies with integer dot products are fields of 4-byte
+# items: the kernel holds 4 inputs of R rows side by side.
+_NIBBLES = ("q", 4, 4)  # 32 4-bit integers: byte j holds input j (low nibble) and j + 16 (high)
+_BYTES = ("q", 8, 4)  # 32 integers, a byte each
 FORMATS = {
-    "q8_0": QuantFormat("q8_0", 32, (("d", 1, 2), ("q", 32, 1)), 34),  # w = d q
+    "q8_0": QuantFormat("q8_0", 32, (("d", 1, 2), _BYTES), 34, signed=True),  # w = d q
     "q4_0": QuantFormat("q4_0", 32, (("d", 1, 2), _NIBBLES), 18),  # w = d (q - 8)
     "q4_1": QuantFormat("q4_1", 32, (("d", 1, 2), ("m", 1, 2), _NIBBLES), 20),  # w = d q + m
     # 8 x 32 inputs: w = d sc[s] q - dmin m[s] (sc, m: 6 bits), q as in q4 per sub-block s
@@ -77,8 +88,8 @@ FORMATS = {
     "q6_k": QuantFormat("q6_k", 256, (("d", 1, 2), ("sc", 16, 1), ("q", 256, 1)), 210),
     # 5-bit integers held as bytes: q5_0 w = d q (q - 16 as int8: q8_0's record), q5_1 w = d q + m,
     # q5_k as q4_k
-    "q5_0": QuantFormat("q5_0", 32, (("d", 1, 2), ("q", 32, 1)), 22),
-    "q5_1": QuantFormat("q5_1", 32, (("d", 1, 2), ("m", 1, 2), ("q", 32, 1)), 24),
+    "q5_0": QuantFormat("q5_0", 32, (("d", 1, 2), _BYTES), 22, signed=True),
+    "q5_1": QuantFormat("q5_1", 32, (("d", 1, 2), ("m", 1, 2), _BYTES), 24),
     "q5_k": QuantFormat(
         "q5_k", 256, (("d", 1, 2), ("dmin", 1, 2), ("sc", 8, 1), ("m", 8, 1), ("q", 256, 1)), 176
     ),
@@ -240,7 +251,7 @@ class QuantizedWeight:
         fmt, r = host.format, block_rows()
         rows, groups = host.data.shape[0], host.in_features // fmt.group
         padded = np.zeros((-(-rows // r) * r, groups, fmt.record_bytes), np.uint8)
-        padded[:rows] = host.data.reshape(rows, groups, fmt.record_bytes)
+        padded[:rows] = _held_integers(fmt, host.data.reshape(rows, groups, fmt.record_bytes))
         by_block = padded.reshape(-1, r, groups, fmt.record_bytes)  # [B, R, G, record]
         fields, at = [], 0
         for _, count, size in fmt.fields:
@@ -265,8 +276,20 @@ class QuantizedWeight:
             .reshape(nblocks, r, groups, -1)
             for field, (_, count, size) in zip(_split_fields(blocks, fmt, r), fmt.fields, strict=True)
         ]
-        rows = np.concatenate(fields, axis=-1).reshape(nblocks * r, -1)[: self.out_features]
-        return HostBlocks(fmt, np.ascontiguousarray(rows), self.shape)
+        rows = np.concatenate(fields, axis=-1).reshape(nblocks * r, groups, -1)[: self.out_features]
+        rows = _held_integers(fmt, rows)  # flipping the sign bit back
+        return HostBlocks(fmt, np.ascontiguousarray(rows.reshape(rows.shape[0], -1)), self.shape)
+
+
+def _held_integers(fmt: QuantFormat, records: np.ndarray) -> np.ndarray:
+    """Records [..., record bytes] with a signed format's int8 integers as the kernel holds them,
+    q + 128 as unsigned bytes (their sign bit flipped; flipped again, they are the file's)."""
+    if not fmt.signed:
+        return records
+    at = sum(count * size for _, count, size in fmt.fields[:-1])  # the integers come last
+    flipped = records.copy()
+    flipped[..., at:] ^= 0x80
+    return flipped
 
 
 def _rows_per_block(blocks, fmt: QuantFormat) -> int:
@@ -334,19 +357,23 @@ def _dequantize_blocks(blocks: jax.Array, format: str) -> jax.Array:
     nblocks, groups, _ = blocks.shape
     r = _rows_per_block(blocks, fmt)
     field = dict(zip((name for name, _, _ in fmt.fields), _split_fields(blocks, fmt, r), strict=True))
-    each = lambda name, dtype: jax.lax.bitcast_convert_type(
-        field[name].reshape(nblocks, groups, -1, r), dtype
-    )
+    sizes = {name: (count, size) for name, count, size in fmt.fields}
+
+    def each(name: str, dtype) -> jax.Array:  # [B, G, count x size, R]: a field's bytes in order
+        count, size = sizes[name]
+        items = field[name].reshape(nblocks, groups, count, r, size).transpose(0, 1, 2, 4, 3)
+        return jax.lax.bitcast_convert_type(items.reshape(nblocks, groups, -1, r), dtype)
+
     halves = lambda name: jax.lax.bitcast_convert_type(
         field[name].reshape(nblocks, groups, 1, r, 2), jnp.float16
     ).astype(jnp.float32)  # [B, G, 1, R]
 
     def nibbles(name: str) -> jax.Array:  # [B, G, n x 32, R]: per 32 inputs, byte j = inputs j, j + 16
-        q = field[name].reshape(nblocks, groups, -1, 16, r)
+        q = each(name, jnp.uint8).reshape(nblocks, groups, -1, 16, r)
         return jnp.concatenate([q & 15, q >> 4], axis=3).reshape(nblocks, groups, -1, r).astype(jnp.float32)
 
-    if format in ("q8_0", "q5_0"):
-        values = halves("d") * each("q", jnp.int8).astype(jnp.float32)
+    if format in ("q8_0", "q5_0"):  # held as q + 128
+        values = halves("d") * (each("q", jnp.uint8).astype(jnp.float32) - 128.0)
     elif format == "q5_1":
         values = halves("d") * each("q", jnp.uint8).astype(jnp.float32) + halves("m")
     elif format == "q4_0":
