@@ -8,8 +8,9 @@ within seconds needs it gone.
     store.load(program, args) -> jax.stages.Compiled | None
     store.save(program, args, compiled)
 
-An executable is found by a key of everything its trace reads: jinfer's sources (every file of the
-package, and the family modules $JINFER_FAMILIES adds), jax's and jaxlib's versions, this CPU's
+An executable is found by a key of everything its trace reads: jinfer's Python (every module of the
+package, and the family modules $JINFER_FAMILIES adds; not the kernels' C++, which an executable
+calls by its registered name, and whose build sets no shape the arguments' signature misses), jax's and jaxlib's versions, this CPU's
 instruction set, the kernels' build flags, XLA's flags, the devices, the model's configuration, the
 layout, the mesh, the program, and its arguments' structure, shapes, dtypes and shardings. Where
 the key cannot see everything, there is no store: logits processors (user code the key does not
@@ -46,12 +47,12 @@ log = logging.getLogger(__name__)
 
 SUBFOLDER = "programs"
 KEEP = "JINFER_KEEP_EXECUTABLES"
-SOURCE_SUFFIXES = (".py", ".cc", ".h")
+SOURCE_SUFFIXES = (".py",)
 
 
 @functools.cache
 def sources_digest() -> str:
-    """A digest of jinfer's own sources and of the family modules it imported from elsewhere."""
+    """A digest of jinfer's own Python and of the family modules it imported from elsewhere."""
     package = Path(__file__).parent
     files = sorted(path for path in package.rglob("*") if path.suffix in SOURCE_SUFFIXES)
     digest = hashlib.sha256()
