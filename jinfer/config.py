@@ -111,6 +111,7 @@ class ModelConfig:
 
 CONTEXT_POLICIES = ("error", "truncate", "drop_oldest")
 QUANTIZATIONS = ("auto", "int8", "none")
+QUANTIZED_ACTIVATIONS = ("float32", "int8")  # how quantized weights multiply (`models.quantized`)
 
 
 # Per-request entries the device state has room for (sizes of fixed arrays in each prompt chunk).
@@ -128,6 +129,7 @@ CHOICES = {
     "speculative_policy": SPECULATIVE_POLICIES,
     "quantization": QUANTIZATIONS,
     "draft_quantization": QUANTIZATIONS,
+    "quantized_activations": QUANTIZED_ACTIVATIONS,
     "context_policy": CONTEXT_POLICIES,
     "dtype": ("float32", "bfloat16", "float16"),
 }
@@ -218,6 +220,13 @@ class EngineConfig:
         "Q6_K matrices stay quantized, multiplied by jinfer's CPU kernel: one CPU device, float32); "
         "int8: float matrices quantized at load (weight-only, per output channel); none: all "
         "dequantized",
+    )
+    quantized_activations: str = setting(
+        "float32",
+        "how Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q5_1 (and int8) weights multiply: float32: dequantized in "
+        "registers, the dequantized model's numbers; int8: activations rounded to 8 bits per 32 "
+        "inputs and integer dot products, llama.cpp's arithmetic (faster; greedy text may part from "
+        "the float model's where two tokens are close)",
     )
     mesh_data: int = setting(1, "devices along the data axis (slots are split over it)")
     mesh_model: int = setting(1, "devices along the model axis (heads, MLP width, vocabulary)")

@@ -78,13 +78,15 @@ def placement_for(config) -> Placement | None:
 
 def engine_weights(loaded: LoadedModel, config, mesh, dtype):
     """A loaded model's weights as an engine of `config` (an EngineConfig) runs them: quantized
-    matrices dequantized where the quantized kernel will not multiply them (`why_dequantized`),
-    padded for the mesh and placed on it. Returns the padded config and the weights."""
+    matrices dequantized where the quantized kernel will not multiply them (`why_dequantized`), else
+    multiplied with `config.quantized_activations`; padded for the mesh and placed on it. Returns
+    the padded config and the weights."""
     params = loaded.params
     why = why_dequantized(config, mesh.size)
     if why and quantized.formats_held(params):
         log.info("%s: quantized weights dequantized to %s: %s", loaded.source, config.dtype, why)
         params = quantized.dequantized(params)
+    params = quantized.with_activations(params, config.quantized_activations)
     return place_params(loaded.config, params, mesh, dtype)
 
 

@@ -10,17 +10,17 @@ within seconds needs it gone.
 
 An executable is found by a key of everything its trace reads: jinfer's Python (every module of the
 package, and the family modules $JINFER_FAMILIES adds; not the kernels' C++, which an executable
-calls by its registered name, and whose build sets no shape the arguments' signature misses), jax's and jaxlib's versions, this CPU's
-instruction set, the kernels' build flags, XLA's flags, the devices, the model's configuration, the
-layout, the mesh, the program, and its arguments' structure, shapes, dtypes and shardings. Where
-the key cannot see everything, there is no store: logits processors (user code the key does not
-read) and several processes; and with $JINFER_KEEP_EXECUTABLES=0, for those who edit jinfer
-itself: each edit changes every key, and what the store keeps is compiled anew rather than loaded
-from JAX's cache (`compile_cache.bypassed`), and only if this process had not built it before
-(`compile_cache.compile_fresh`). The files live in `programs/` under the compile cache's folder
-(no store when that is off), are written whole (a temporary file renamed) and go, least recently
-used first, past `compile_cache.MAX_BYTES`. Like JAX's cache, the folder is trusted code: loading an
-executable runs what it holds.
+calls by its registered name, and whose build sets no shape the arguments' signature misses), jax's
+and jaxlib's versions, this CPU's instruction set, the kernels' build flags, XLA's flags, the
+devices, the model's configuration, the layout, the mesh, the program, and its arguments'
+structure, shapes, dtypes and shardings. Where the key cannot see everything, there is no store:
+logits processors (user code the key does not read) and several processes; and with
+$JINFER_KEEP_EXECUTABLES=0, for those who edit jinfer itself: each edit changes every key, and what
+the store keeps is compiled anew rather than loaded from JAX's cache (`compile_cache.bypassed`),
+and only if this process had not built it before (`compile_cache.compile_fresh`). The files live in
+`programs/` under the compile cache's folder (no store when that is off), are written whole (a
+temporary file renamed) and go, least recently used first, past `compile_cache.MAX_BYTES`. Like
+JAX's cache, the folder is trusted code: loading an executable runs what it holds.
 """
 
 from __future__ import annotations

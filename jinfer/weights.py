@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.kv_cache import KVCache
+from jinfer.models import quantized
 from jinfer.models.params import pack_weights, unpacked
 
 
@@ -40,6 +41,7 @@ def replacement(held: Any, params: Any, cfg, packed: bool) -> Any:
     (`models.params.pack_weights`), so that no program compiles again. ValueError, naming the
     leaf, where the tree, a shape or a dtype differs: the steps were compiled for those."""
     current = unpacked(held)
+    params = quantized.with_activations(params, quantized.activations_of(current))  # as the engine's
     if jax.tree.structure(params) != jax.tree.structure(current):
         raise ValueError(
             "update_weights takes a tree shaped as LLM.params gives it: "

@@ -16,9 +16,12 @@ users would pass for this machine: `jinfer serve --max-slots 32` (else its defau
 --dtype float32 --max-model-len 2048` ($VLLM_CPU_KVCACHE_SPACE 4 GiB), `llama-server -np 8 -c
 16384`; each started before timing and asked one warm-up request.
 
-    python scripts/bench_peers.py [--servers jinfer,vllm,llama] [--weights f32,q4_1]
+    python scripts/bench_peers.py [--servers jinfer,jinfer-int8,vllm,llama] [--weights f32,q4_1]
         [--workloads one_user,crowd,poisson,shared_prefix] [--rounds 1] [--isa native|avx2]
         [--work DIR] [--out results]
+
+`jinfer-int8` is `jinfer serve --quantized-activations int8`: on the Q4_1 file, the arithmetic
+llama-server uses (8-bit activations, integer dot products).
 
 `--isa avx2` stands in for a CPU without AVX-512 on one that has it: jinfer's kernels built with
 `-mno-avx512f` (JINFER_KERNEL_CXXFLAGS; XLA's own code still uses what the CPU has) and a second
@@ -104,6 +107,8 @@ LLAMA_ISA_FLAGS = {
     ],
 }
 JINFER_ISA_FLAGS = {"native": "", "avx2": "-mno-avx512f"}  # JINFER_KERNEL_CXXFLAGS
+# jinfer's servers: its defaults, and with llama.cpp's arithmetic for the 32-input quantized types.
+JINFER_SERVERS = {"jinfer": [], "jinfer-int8": ["--quantized-activations", "int8"]}
 
 
 def llama_server(work: str, isa: str) -> str:
@@ -127,10 +132,11 @@ def llama_server(work: str, isa: str) -> str:
 def server_command(server: str, weights: dict, work: str, port: int, isa: str) -> tuple[list[str], dict, str]:
     """How `server` is started on `weights` (command, environment, readiness path)."""
     env = dict(os.environ)
-    if server == "jinfer":
+    if server in JINFER_SERVERS:
         if JINFER_ISA_FLAGS[isa]:
             env["JINFER_KERNEL_CXXFLAGS"] = JINFER_ISA_FLAGS[isa]
         command = [sys.executable, "-m", "jinfer.cli", "serve", "--model", weights["jinfer"]]
+        command += JINFER_SERVERS[server]
         return (
             [*command, "--port", str(port), "--served-model-name", NAME, "--max-slots", "32"],
             env,
@@ -241,7 +247,7 @@ def main() -> int:
     all_weights = weights_for(work)
     setups = [
         (server, name) for name in args.weights.split(",") for server in args.servers.split(",")
-        if server in ("jinfer", "llama") or name == "f32"  # vLLM's CPU server reads no Q4_1 GGUF
+        if server != "vllm" or name == "f32"  # vLLM's CPU server reads no Q4_1 GGUF
     ]  # fmt: skip
     runs = []
     for round_ in range(args.rounds):

@@ -173,7 +173,8 @@ def bench_file(label: str, path: str, args, bandwidth: float, cpp_peers: bool) -
     compiles = sum(llm.engine.compile_count() for llm in engines.values()) - compiles_before
     greedy = jinfer.SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     tokens = [llm.generate([PROMPT], greedy)[0].token_ids for llm in engines.values()]
-    agreeing = next((i for i, pair in enumerate(zip(*tokens)) if len(set(pair)) > 1), len(tokens[0]))
+    parted = [i for i, pair in enumerate(zip(*tokens, strict=False)) if len(set(pair)) > 1]
+    agreeing = parted[0] if parted else len(tokens[0])
     rows = {}
     for slots in (1, BATCH):
         mine = np.array(rates["jinfer"][slots])

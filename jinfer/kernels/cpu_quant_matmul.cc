@@ -10,20 +10,21 @@
 //   Q5_0 is held as Q8_0 (q - 16 as int8); Q5_1 and Q5_K as Q4_1 and Q4_K with a byte per q.
 // The blocks are regrouped as the float kernel (cpu_matmul.cc) packs its rows: R rows (one vector
 // register of floats) side by side. Two arithmetics:
-//  - Q8_0 / Q5_0, Q4_0, Q4_1, Q5_1 are integer products (see "Integer products" below): each column
-//    quantized to 8 bits per 32 inputs, as llama.cpp does, and a block's integers multiplied by
-//    dot-product instructions, 4 inputs of R rows in one vector.
-//  - The K-quants (Q4_K, Q5_K, Q6_K): one load gives the R rows' integers for one input index, and
-//    they are widened, scaled into float weights in registers and multiplied by each column's
-//    x[k, c] into one running R-row sum per column. Activations and sums stay float32.
+//  - Float products (every format; the default): a load gives the R rows' integers for an input
+//    index (or for 4 of them, in the 32-input formats), and they are widened, scaled into float
+//    weights in registers and multiplied by each column's x[k, c] into one running R-row sum per
+//    column. Activations and sums stay float32: the dequantized matrix's product.
+//  - Integer products (attribute int8_activations; Q8_0 / Q5_0, Q4_0, Q4_1, Q5_1; see "Integer
+//    products" below): each column quantized to 8 bits per 32 inputs, as llama.cpp does, and a
+//    block's integers multiplied by dot-product instructions, 4 inputs of R rows in one vector.
 //
 // Operands: blocks uint8 [ceil(M / R), K / group, R x record bytes], x float32 [K, N]
-// (row-major); attribute `format` (0 Q8_0 / Q5_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_1,
-// 6 Q5_K). Result: y float32 [R ceil(M / R), N]. A group of a block row (R rows x `group` inputs)
-// holds each field of the records in turn (jinfer/models/quantized.py), R side by side: float16
-// scales first, then bytes, integers input index-major (those of the integer products 4 inputs of a
-// row together: bytes 4t..4t+3 of R rows side by side, quad after quad; Q8_0 / Q5_0's int8 held as
-// q + 128). 4-bit integers: per 32 inputs, byte j of a row holds input j in its low nibble and
+// (row-major); attributes `format` (0 Q8_0 / Q5_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_1,
+// 6 Q5_K) and `int8_activations` (0 or 1). Result: y float32 [R ceil(M / R), N]. A group of a
+// block row (R rows x `group` inputs) holds each field of the records in turn
+// (jinfer/models/quantized.py), R side by side: float16 scales first, then bytes, integers input
+// index-major (the 32-input formats' 4 inputs of a row together: bytes 4t..4t+3 of R rows side by
+// side, quad after quad; Q8_0 / Q5_0's int8 held as q + 128). 4-bit integers: per 32 inputs, byte j of a row holds input j in its low nibble and
 // input j + 16 in its high one (ggml's order inside a Q4_0 / Q4_1 block).
 #include <algorithm>
 #include <cmath>
@@ -95,6 +96,12 @@ inline Ints Widen(const uint8_t* p) {
 inline Ints WidenSigned(const uint8_t* p) { return Widen<true>(p); }
 inline Ints WidenUnsigned(const uint8_t* p) { return Widen<false>(p); }
 
+inline Ints LoadInts(const uint8_t* p) {
+  Ints v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 inline Rows Halves(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (Rows)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
@@ -111,7 +118,7 @@ inline Rows Halves(const uint8_t* p) {
 #endif
 }
 
-// Block rows [b, b + B) x columns [c0, c0 + n) of a K-quant, in one pass over their groups.
+// Block rows [b, b + B) x columns [c0, c0 + n), float products, in one pass over their groups.
 //
 // Every output is one running sum over the inputs in a fixed order (a block's inputs in turn;
 // for 4-bit blocks input j, then j + 16), whatever the tile: a column's products are the same
@@ -153,6 +160,38 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
         }
       }
   };
+  // 32 inputs held 4 to an int32 lane at offset q (quad t: inputs 4t..4t+3 of R rows), as the
+  // integer products hold them. 4-bit integers (input j low, j + 16 high): w = d u + m.
+  auto quad_nibbles = [&](int64_t q, const Rows* d, const Rows* m, const float* xg) {
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < B; ++i) {
+        const Ints v = LoadInts(group[i] + q + t * 4 * kRows);
+        for (int k = 0; k < 4; ++k) {
+          const Ints u = (v >> (8 * k)) & 255;
+          const Rows low = MulAdd(__builtin_convertvector(u & 15, Rows), d[i], m[i]);
+          const Rows high = MulAdd(__builtin_convertvector(u >> 4, Rows), d[i], m[i]);
+          const int j = 4 * t + k;
+          for (int c = 0; c < n; ++c) {
+            acc[i][c] = MulAdd(low, Broadcast<Rows>(xg[j * N + c]), acc[i][c]);
+            acc[i][c] = MulAdd(high, Broadcast<Rows>(xg[(j + kGroup / 2) * N + c]), acc[i][c]);
+          }
+        }
+      }
+  };
+  // A byte per input: w = d (u - 128) for Q8_0 / Q5_0 (held q + 128), else w = d u + m.
+  auto quad_bytes = [&](int64_t q, const Rows* d, const Rows* m, const float* xg) {
+    for (int t = 0; t < 8; ++t)
+      for (int i = 0; i < B; ++i) {
+        const Ints v = LoadInts(group[i] + q + t * 4 * kRows);
+        for (int k = 0; k < 4; ++k) {
+          const Ints u = (v >> (8 * k)) & 255;
+          const Rows w = F == kQ8_0 ? __builtin_convertvector(u - 128, Rows) * d[i]
+                                    : MulAdd(__builtin_convertvector(u, Rows), d[i], m[i]);
+          for (int c = 0; c < n; ++c)
+            acc[i][c] = MulAdd(w, Broadcast<Rows>(xg[(4 * t + k) * N + c]), acc[i][c]);
+        }
+      }
+  };
   // Per block row: a float16 field at offset `at`; a byte field scaled (d * byte).
   auto halves = [&](int64_t at, Rows* out) {
     for (int i = 0; i < B; ++i) out[i] = Halves(group[i] + at);
@@ -170,9 +209,20 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
         __builtin_prefetch(group[i] + kPrefetchBytes + line, 0, 1);
     }
     const float* xg = x + g * kInputs<F> * N + c0;
-    Rows d[B];
+    Rows d[B], m[B];
     halves(0, d);
-    if constexpr (F == kQ4_K || F == kQ5_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs
+    if constexpr (F == kQ8_0) {
+      quad_bytes(2 * kRows, d, d, xg);  // no m
+    } else if constexpr (F == kQ4_0) {
+      for (int i = 0; i < B; ++i) m[i] = d[i] * -8.0f;
+      quad_nibbles(2 * kRows, d, m, xg);
+    } else if constexpr (F == kQ4_1) {
+      halves(2 * kRows, m);
+      quad_nibbles(4 * kRows, d, m, xg);
+    } else if constexpr (F == kQ5_1) {
+      halves(2 * kRows, m);
+      quad_bytes(4 * kRows, d, m, xg);
+    } else if constexpr (F == kQ4_K || F == kQ5_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs
       Rows dmin[B], scale[B], offset[B];
       halves(2 * kRows, dmin);
       for (int s = 0; s < 8; ++s) {
@@ -185,7 +235,6 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
           unsigned_bytes((20 + 32 * s) * kRows, scale, offset, xg + kGroup * s * N, kGroup);
       }
     } else {  // Q6_K: d, sc[16] int8, then 16 x 16 inputs of int8
-      static_assert(F == kQ6_K, "the other formats are integer products (IntegerTile)");
       Rows scale[B];
       for (int s = 0; s < 16; ++s) {
         scaled(d, (2 + s) * kRows, scale, true);
@@ -198,16 +247,16 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
       for (int r = 0; r < kRows; ++r) y[((b + i) * kRows + r) * N + c0 + c] = acc[i][c][r];
 }
 
-// ---- Integer products: Q8_0 / Q5_0, Q4_0, Q4_1, Q5_1 ----
+// ---- Integer products: Q8_0 / Q5_0, Q4_0, Q4_1, Q5_1 with int8_activations ----
 //
-// For these formats each column is first quantized as llama.cpp quantizes activations for them, per
+// Each column is first quantized as llama.cpp quantizes activations for these formats, per
 // 32 inputs: d = max |x| / 127 and q = x / d rounded to nearest even (all 0 where d is 0; d NaN where
 // an input is not finite, so the product is NaN as a float one would be), with the integers' sum.
 // A block's product is then exact integer arithmetic, isum = sum_j (u_j - o) q_j, where u is the
 // integer as held (unsigned: Q8_0 / Q5_0 hold q + 128, o = 128; Q4_0's o is 8; 0 for the formats
 // with an offset m), and the running float sum of a row and a column takes block after block
 //   acc = fma(d_w d, isum, acc)      and then, with m:      acc = fma(m, d sum_j q_j, acc).
-// That is the reference these formats are exact to (tests/test_quantized.py holds it in numpy);
+// That is the reference these products are exact to (tests/test_quantized.py holds it in numpy);
 // the dequantized float product differs from it by the activations' 8-bit rounding.
 // Each row's integers are held 4 inputs together (a quad of bytes per int32 lane, R rows side by
 // side), so one dot-product instruction (VNNI's vpdpbusd, or maddubs + madd) adds 4 products to each
@@ -252,12 +301,6 @@ inline Ints Dot4Bytes(Ints acc, Ints u, Ints x) {
   if constexpr (kDotTakesWholeBytes) return Dot4(acc, u, x);
   const Ints low = u & 0x0F0F0F0F, high = (u >> 4) & 0x0F0F0F0F;
   return Dot4(acc, low, x) + (Dot4(Ints{}, high, x) << 4);
-}
-
-inline Ints LoadInts(const uint8_t* p) {
-  Ints v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
 }
 
 // The columns quantized as above: q int8 [N, K] (a column's inputs together), and per column and
@@ -371,7 +414,8 @@ inline void IntegerTile(const uint8_t* blocks, const QuantizedColumns& x, float*
         for (int i = 0; i < B; ++i) {
           const Ints v = LoadInts(group[i] + kIntegersAt + t * kQuadBytes);
           for (int c = 0; c < n; ++c)
-            sums[i][c] = F == kQ8_0 ? Dot4Bytes(sums[i][c], v, inputs(c, 4 * t)) : Dot4(sums[i][c], v, inputs(c, 4 * t));
+            sums[i][c] = F == kQ8_0 ? Dot4Bytes(sums[i][c], v, inputs(c, 4 * t))  // bytes up to 255
+                                    : Dot4(sums[i][c], v, inputs(c, 4 * t));
         }
     }
     for (int i = 0; i < B; ++i) {
@@ -396,33 +440,36 @@ struct Columns {
   const QuantizedColumns* quantized;
 };
 
-template <Format F>  // running sums in registers: an integer tile holds the blocks' integer sums too
-constexpr int kPassColumnsOf = kIntegerProduct<F> ? kPassColumns / 2 : kPassColumns;
+// Running sums in registers: an integer tile holds the blocks' integer sums too.
+template <bool Integer>
+constexpr int kPassColumnsOf = Integer ? kPassColumns / 2 : kPassColumns;
 
-// The tile for n = columns, 1 <= columns <= kPassColumnsOf<F>.
-template <Format F, int B, int n = kPassColumnsOf<F>>
+// The tile for n = columns, 1 <= columns <= kPassColumnsOf<Integer>: integer or float products.
+template <Format F, bool Integer, int B, int n = kPassColumnsOf<Integer>>
 void TileOf(int64_t columns, const uint8_t* blocks, const Columns& x, float* y, int64_t groups, int64_t N,
             int64_t b, int64_t c0) {
+  static_assert(!Integer || kIntegerProduct<F>, "the K-quants have float products only");
   if constexpr (n > 1)
-    if (columns < n) return TileOf<F, B, n - 1>(columns, blocks, x, y, groups, N, b, c0);
-  if constexpr (kIntegerProduct<F>)
+    if (columns < n) return TileOf<F, Integer, B, n - 1>(columns, blocks, x, y, groups, N, b, c0);
+  if constexpr (Integer)
     IntegerTile<F, n, B>(blocks, *x.quantized, y, groups, N, b, c0);
   else
     Tile<F, n, B>(blocks, x.x, y, groups, N, b, c0);
 }
 
 // Block rows [b, end) B at a time while B of them remain, every column in passes of
-// kPassColumnsOf<F>; returns the first block row left.
-template <Format F, int B>
+// kPassColumnsOf<Integer>; returns the first block row left.
+template <Format F, bool Integer, int B>
 int64_t RowsBy(const uint8_t* blocks, const Columns& x, float* y, int64_t groups, int64_t N, int64_t b,
                int64_t end) {
-  constexpr int64_t pass = kPassColumnsOf<F>;
+  constexpr int64_t pass = kPassColumnsOf<Integer>;
   for (; b + B <= end; b += B)
-    for (int64_t c0 = 0; c0 < N; c0 += pass) TileOf<F, B>(std::min(pass, N - c0), blocks, x, y, groups, N, b, c0);
+    for (int64_t c0 = 0; c0 < N; c0 += pass)
+      TileOf<F, Integer, B>(std::min(pass, N - c0), blocks, x, y, groups, N, b, c0);
   return b;
 }
 
-template <Format F>
+template <Format F, bool Integer>
 void Run(ffi::ThreadPool& pool, const uint8_t* blocks, const Columns& x, float* y, int64_t rows_blocks,
          int64_t groups, int64_t N) {
   const int64_t tasks = (rows_blocks + kBlocksPerTask - 1) / kBlocksPerTask;
@@ -432,15 +479,24 @@ void Run(ffi::ThreadPool& pool, const uint8_t* blocks, const Columns& x, float* 
     // Block rows taken together: enough sums in flight for one or two columns (4-bit blocks make
     // two dependent products per input pair, so each sum's chain is long). An integer tile's
     // block sums take registers too: fewer block rows with AVX2's 16.
-    constexpr bool narrow = kIntegerProduct<F> && kRows == 8;
-    if (N == 1) b = RowsBy<F, narrow ? 4 : 8>(blocks, x, y, groups, N, b, end);
-    if (N <= 2) b = RowsBy<F, narrow ? 2 : 4>(blocks, x, y, groups, N, b, end);
-    RowsBy<F, 1>(blocks, x, y, groups, N, b, end);
+    constexpr bool narrow = Integer && kRows == 8;
+    if (N == 1) b = RowsBy<F, Integer, narrow ? 4 : 8>(blocks, x, y, groups, N, b, end);
+    if (N <= 2) b = RowsBy<F, Integer, narrow ? 2 : 4>(blocks, x, y, groups, N, b, end);
+    RowsBy<F, Integer, 1>(blocks, x, y, groups, N, b, end);
   });
 }
 
+// Run<F> with integer products where asked for and F has them, else float ones.
+template <Format F>
+void RunAs(bool integer, ffi::ThreadPool& pool, const uint8_t* blocks, const Columns& x, float* y,
+           int64_t rows_blocks, int64_t groups, int64_t N) {
+  if constexpr (kIntegerProduct<F>)
+    if (integer) return Run<F, true>(pool, blocks, x, y, rows_blocks, groups, N);
+  Run<F, false>(pool, blocks, x, y, rows_blocks, groups, N);
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::F32> x,
-                  ffi::ResultBuffer<ffi::F32> y, int32_t format) {
+                  ffi::ResultBuffer<ffi::F32> y, int32_t format, int32_t int8_activations) {
   const auto bd = blocks.dimensions(), xd = x.dimensions(), yd = y->dimensions();
   const int64_t group_bytes[] = {kGroupBytes<kQ8_0>, kGroupBytes<kQ4_0>, kGroupBytes<kQ4_1>, kGroupBytes<kQ4_K>,
                                  kGroupBytes<kQ6_K>, kGroupBytes<kQ5_1>, kGroupBytes<kQ5_K>};
@@ -456,17 +512,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer
         "], x [K, N] and y [" + std::to_string(kRows) + " B, N] expected");
   const uint8_t* w = blocks.typed_data();
   float* out = y->typed_data();
+  const bool integer =
+      int8_activations != 0 && (format == kQ8_0 || format == kQ4_0 || format == kQ4_1 || format == kQ5_1);
   thread_local QuantizedColumns quantized;  // kept between calls: no allocation per call
-  if (format == kQ8_0 || format == kQ4_0 || format == kQ4_1 || format == kQ5_1)
-    QuantizeColumns(x.typed_data(), xd[0], xd[1], quantized);
+  if (integer) QuantizeColumns(x.typed_data(), xd[0], xd[1], quantized);
   const Columns columns{x.typed_data(), &quantized};
-  if (format == kQ8_0) Run<kQ8_0>(pool, w, columns, out, bd[0], bd[1], xd[1]);
-  if (format == kQ4_0) Run<kQ4_0>(pool, w, columns, out, bd[0], bd[1], xd[1]);
-  if (format == kQ4_1) Run<kQ4_1>(pool, w, columns, out, bd[0], bd[1], xd[1]);
-  if (format == kQ4_K) Run<kQ4_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
-  if (format == kQ6_K) Run<kQ6_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
-  if (format == kQ5_1) Run<kQ5_1>(pool, w, columns, out, bd[0], bd[1], xd[1]);
-  if (format == kQ5_K) Run<kQ5_K>(pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ8_0) RunAs<kQ8_0>(integer, pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ4_0) RunAs<kQ4_0>(integer, pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ4_1) RunAs<kQ4_1>(integer, pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ4_K) RunAs<kQ4_K>(integer, pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ6_K) RunAs<kQ6_K>(integer, pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ5_1) RunAs<kQ5_1>(integer, pool, w, columns, out, bd[0], bd[1], xd[1]);
+  if (format == kQ5_K) RunAs<kQ5_K>(integer, pool, w, columns, out, bd[0], bd[1], xd[1]);
   return ffi::Error::Success();
 }
 
@@ -480,4 +537,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JinferCpuQuantMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("format"));
+                                  .Attr<int32_t>("format")
+                                  .Attr<int32_t>("int8_activations"));

@@ -1,6 +1,7 @@
 """The CPU quantized matmul kernel (`cpu_quant_matmul.cc`): a few columns times a weight matrix
-held as Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks (integer products over the columns quantized to 8
-bits, as llama.cpp multiplies them) or Q4_K / Q5_K / Q6_K blocks (dequantized in registers).
+held as Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks, dequantized in registers, or
+for the 32-input formats optionally as integer products over the columns rounded to 8 bits (as
+llama.cpp multiplies them).
 
 The blocks' layout (R rows side by side per group of 32 inputs, R = `block_rows()`) is made by
 `jinfer.models.quantized`, which also owns the formats; this module only calls the kernel.
@@ -53,10 +54,14 @@ def block_rows() -> int:
     return _library().JinferCpuQuantMatmulBlockRows() if available() else 8
 
 
-def matmul(blocks: jax.Array, x: jax.Array, format: str, rows: int) -> jax.Array:
+def matmul(
+    blocks: jax.Array, x: jax.Array, format: str, rows: int, int8_activations: bool = False
+) -> jax.Array:
     """The first `rows` rows of the matrix held in `blocks` [ceil(M / R), K / group, R x record
-    bytes] (uint8) times columns x [K, N] (float32) -> [rows, N]."""
+    bytes] (uint8) times columns x [K, N] (float32) -> [rows, N]; with `int8_activations` (the
+    32-input formats), integer products over x rounded to 8 bits per 32 inputs."""
     out_rows = blocks.shape[0] * block_rows()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((out_rows, x.shape[1]), jnp.float32))
-    out = call(blocks, x.astype(jnp.float32), format=np.int32(FORMAT_CODES[format]))
+    codes = dict(format=np.int32(FORMAT_CODES[format]), int8_activations=np.int32(int8_activations))
+    out = call(blocks, x.astype(jnp.float32), **codes)
     return out if rows == out_rows else out[:rows]

@@ -24,18 +24,21 @@ together for the integer products). Nothing is dequantized on the way, so a weig
 file's bytes.
 
 Products (`project`) run the kernel over `MAX_COLUMNS` columns at a time: a prompt's hundreds of
-columns in slices of them. Two arithmetics, by format: q8_0, q5_0, q4_0, q4_1 and q5_1 (and int8)
-are integer products, as llama.cpp computes them: each column rounded to 8 bits per 32 inputs
-(scale max |x| / 127), a block's integer dot product exact, and the scales applied in float32,
-block after block (the kernel's source says the exact order; tests/test_quantized.py holds it in
-numpy). Their results are those of the dequantized matrix times the rounded columns, so they
-differ from the dequantized float product by that rounding (SmolLM2's Q4_1 file: perplexity of a
-test text within 1% of the dequantized model's). The K-quants dequantize in registers and
-multiply float32 columns. Either way a column's bits are the kernel's whatever the product's
-count, decode's and prompt's alike. (Dequantizing the whole matrix in the step for XLA's dot cost
-SmolLM2's Q4_1 file ~210 ms a prefill dispatch on a 2-core EPYC.) Without the kernel the engine
-dequantizes at load (`layout.why_dequantized`); `project` then multiplies the dequantized matrix by
-XLA's dot. Embedding rows are gathered from the blocks (`take_rows`).
+columns in slices of them. Two arithmetics, which a weight's `activations` chooses (the engine's
+`quantized_activations`, set by `with_activations`): "float32" (every format) dequantizes in
+registers and multiplies float32 columns, the dequantized model's numbers; "int8" (the formats in
+INTEGER_FORMATS: q8_0, q5_0, q4_0, q4_1, q5_1, and int8 weights) makes integer products as
+llama.cpp computes them: each column rounded to 8 bits per 32 inputs (scale max |x| / 127), a
+block's integer dot product exact, and the scales applied in float32 block after block (the
+kernel's source says the exact order; tests/test_quantized.py holds it in numpy). Those results are
+the dequantized matrix's times the rounded columns: faster, and they differ from the float ones by
+that rounding (SmolLM2's Q4_1 file: perplexity of a test text within 1%, yet its greedy answer to
+"What is the capital of France?" loses Paris, as llama.cpp's does). Either way a column's bits are
+the kernel's whatever the product's count, decode's and prompt's alike. (Dequantizing the whole
+matrix in the step for XLA's dot cost SmolLM2's Q4_1 file ~210 ms a prefill dispatch on a 2-core
+EPYC.) Without the kernel the engine dequantizes at load (`layout.why_dequantized`); `project` then
+multiplies the dequantized matrix by XLA's dot. Embedding rows are gathered from the blocks
+(`take_rows`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from jinfer.kernels import cpu_matmul, cpu_quant_matmul
 from jinfer.models.params import PackedWeight
 
 MAX_COLUMNS = cpu_matmul.MAX_COLUMNS
+# The formats with integer products (`QuantizedWeight.activations` "int8").
+INTEGER_FORMATS = frozenset({"q8_0", "q5_0", "q4_0", "q4_1", "q5_1"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +241,7 @@ class QuantizedWeight:
     blocks: jax.Array
     format: str = struct.field(pytree_node=False)
     shape: tuple[int, ...] = struct.field(pytree_node=False)
+    activations: str = struct.field(pytree_node=False, default="float32")  # or "int8" (INTEGER_FORMATS)
 
     @property
     def in_features(self) -> int:
@@ -408,14 +414,41 @@ def project(w: QuantizedWeight | StackedWeight, x: jax.Array, out_dims: tuple[in
         dims = len(out_dims)
         outs = [project(p, x, p.shape[:dims]) for p in w.parts]
         return jnp.concatenate(outs, axis=w.axis)
+    integer = w.activations == "int8"
     if cpu_quant_matmul.available():
         slices = [x[:, at : at + MAX_COLUMNS] for at in range(0, x.shape[1], MAX_COLUMNS)]
-        outs = [cpu_quant_matmul.matmul(w.blocks, part, w.format, w.out_features) for part in slices]
+        outs = [cpu_quant_matmul.matmul(w.blocks, part, w.format, w.out_features, integer) for part in slices]
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     else:
         matrix = dequantize(w).reshape(w.out_features, w.in_features)
-        out = jnp.dot(matrix, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        x = rounded_to_8_bits(x) if integer else x.astype(jnp.float32)
+        out = jnp.dot(matrix, x, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(*out_dims, x.shape[1])
+
+
+def rounded_to_8_bits(x: jax.Array) -> jax.Array:
+    """Columns x [in, N] as the integer products see them: per 32 inputs, d = max |x| / 127 and
+    x / d rounded to nearest even, times d again."""
+    blocks = x.astype(jnp.float32).reshape(x.shape[0] // 32, 32, -1)
+    d = jnp.abs(blocks).max(axis=1, keepdims=True) / 127
+    return (jnp.round(blocks / jnp.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
+def with_activations(params, activations: str):
+    """`params` with every weight of INTEGER_FORMATS multiplied with `activations` ("float32" or
+    "int8"; the others have float products only)."""
+    mark = lambda w: (
+        dataclasses.replace(w, activations=activations)
+        if isinstance(w, QuantizedWeight) and w.format in INTEGER_FORMATS
+        else w
+    )
+    return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+
+
+def activations_of(params) -> str:
+    """The activations `params`' quantized weights multiply with ("float32" where none is int8)."""
+    blocks = jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+    return "int8" if any(getattr(w, "activations", None) == "int8" for w in blocks) else "float32"
 
 
 def is_packed(w) -> bool:
@@ -446,6 +479,7 @@ def describe_held(params) -> str:
     if quantized:
         counts = ", ".join(f"{n} {name}" for name, n in sorted(formats_held(params).items()))
         parts.append(f"{quantized / 2**20:.1f} MiB quantized ({counts} matrices)")
+        parts.append(f"{activations_of(params)} activations")
     packed = [w for w in jax.tree.leaves(params, is_leaf=is_packed) if is_packed(w)]
     if packed:
         parts.append(f"{len(packed)} float matrices with packed copies")
