@@ -26,6 +26,10 @@ GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in FORMATS}
 # Where ggml's blocks keep their float16 scales (and offsets): random bytes there could be NaN.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
 SCALE_OFFSETS |= {"q5_0": (0,), "q5_1": (0, 2), "q5_k": (0, 2)}
+# Every format's float products, and the integer products of the formats that have them (each
+# with a layout of its own).
+ARITHMETICS = [(f, "float32") for f in sorted(FORMATS)]
+ARITHMETICS += [(f, "int8") for f in sorted(quantized.INTEGER_FORMATS)]
 
 
 def random_blocks(format: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -56,14 +60,14 @@ def weight(
     return quantized.with_activations(w, activations), reference
 
 
-@pytest.mark.parametrize("format", sorted(FORMATS))
-def test_blocks_hold_exactly_what_ggml_dequantizes_to(format):
-    """Regrouped for the kernel (37 rows: a partial block of rows), the blocks dequantize to
-    gguf's values, and embedding rows gathered from them too; regrouped back, they are the rows
-    of records they were (Q8_0 / Q4_0 / Q4_1: ggml's bytes; the others hold their integers and
-    sub-block scales as whole bytes)."""
+@pytest.mark.parametrize("format, activations", ARITHMETICS)
+def test_blocks_hold_exactly_what_ggml_dequantizes_to(format, activations):
+    """Regrouped for the kernel (37 rows: a partial block of rows), in the layout of either
+    arithmetic, the blocks dequantize to gguf's values, and embedding rows gathered from them too;
+    regrouped back, they are the rows of records they were (Q8_0 / Q4_0 / Q4_1: ggml's bytes; the
+    others hold their integers and sub-block scales as whole bytes)."""
     cols = width(format, 3)
-    w, reference = weight(format, 37, cols)
+    w, reference = weight(format, 37, cols, activations=activations)
     records = quantized.records_from_ggml(FORMATS[format], random_blocks(format, 37, cols))
     np.testing.assert_array_equal(w.to_host().data, records)
     if FORMATS[format].record_bytes == FORMATS[format].ggml_block_bytes:  # ggml's bytes as they are
@@ -78,9 +82,6 @@ def test_blocks_hold_exactly_what_ggml_dequantizes_to(format):
     )
 
 
-# Every format's float products, and the integer products of the formats that have them.
-ARITHMETICS = [(f, "float32") for f in sorted(FORMATS)]
-ARITHMETICS += [(f, "int8") for f in sorted(quantized.INTEGER_FORMATS)]
 
 
 def integer_parts(format: str, raw: np.ndarray, cols: int):
@@ -381,8 +382,7 @@ def test_builds_for_other_cpus_give_the_same_products(flags):
         "for f, a in t.ARITHMETICS:\n"
         "    for n in (1, 3, 8, 17): t.test_kernel_products_equal_their_reference(f, a, n)\n"
         "    t.test_a_columns_products_do_not_depend_on_its_neighbours(f, a)\n"
-        "for f in sorted(t.FORMATS):\n"
-        "    t.test_blocks_hold_exactly_what_ggml_dequantizes_to(f)\n"
+        "    t.test_blocks_hold_exactly_what_ggml_dequantizes_to(f, a)\n"
         "print('checked')"
     )
     assert "checked" in _in_fresh_process(script, {"JINFER_KERNEL_CXXFLAGS": flags})

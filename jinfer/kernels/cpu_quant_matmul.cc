@@ -10,10 +10,10 @@
 //   Q5_0 is held as Q8_0 (q - 16 as int8); Q5_1 and Q5_K as Q4_1 and Q4_K with a byte per q.
 // The blocks are regrouped as the float kernel (cpu_matmul.cc) packs its rows: R rows (one vector
 // register of floats) side by side. Two arithmetics:
-//  - Float products (every format; the default): a load gives the R rows' integers for an input
-//    index (or for 4 of them, in the 32-input formats), and they are widened, scaled into float
-//    weights in registers and multiplied by each column's x[k, c] into one running R-row sum per
-//    column. Activations and sums stay float32: the dequantized matrix's product.
+//  - Float products (every format; the default): one load gives the R rows' integers for one
+//    input index, and they are widened, scaled into float weights in registers and multiplied by
+//    each column's x[k, c] into one running R-row sum per column. Activations and sums stay
+//    float32: the dequantized matrix's product.
 //  - Integer products (attribute int8_activations; Q8_0 / Q5_0, Q4_0, Q4_1, Q5_1; see "Integer
 //    products" below): each column quantized to 8 bits per 32 inputs, as llama.cpp does, and a
 //    block's integers multiplied by dot-product instructions, 4 inputs of R rows in one vector.
@@ -23,9 +23,10 @@
 // 6 Q5_K) and `int8_activations` (0 or 1). Result: y float32 [R ceil(M / R), N]. A group of a
 // block row (R rows x `group` inputs) holds each field of the records in turn
 // (jinfer/models/quantized.py), R side by side: float16 scales first, then bytes, integers input
-// index-major (the 32-input formats' 4 inputs of a row together: bytes 4t..4t+3 of R rows side by
-// side, quad after quad; Q8_0 / Q5_0's int8 held as q + 128). 4-bit integers: per 32 inputs, byte j of a row holds input j in its low nibble and
-// input j + 16 in its high one (ggml's order inside a Q4_0 / Q4_1 block).
+// index-major (for integer products 4 inputs of a row together instead: bytes 4t..4t+3 of R rows
+// side by side, quad after quad, Q8_0 / Q5_0's int8 held as q + 128). 4-bit integers: per 32
+// inputs, byte j of a row holds input j in its low nibble and input j + 16 in its high one (ggml's
+// order inside a Q4_0 / Q4_1 block).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -160,38 +161,6 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
         }
       }
   };
-  // 32 inputs held 4 to an int32 lane at offset q (quad t: inputs 4t..4t+3 of R rows), as the
-  // integer products hold them. 4-bit integers (input j low, j + 16 high): w = d u + m.
-  auto quad_nibbles = [&](int64_t q, const Rows* d, const Rows* m, const float* xg) {
-    for (int t = 0; t < 4; ++t)
-      for (int i = 0; i < B; ++i) {
-        const Ints v = LoadInts(group[i] + q + t * 4 * kRows);
-        for (int k = 0; k < 4; ++k) {
-          const Ints u = (v >> (8 * k)) & 255;
-          const Rows low = MulAdd(__builtin_convertvector(u & 15, Rows), d[i], m[i]);
-          const Rows high = MulAdd(__builtin_convertvector(u >> 4, Rows), d[i], m[i]);
-          const int j = 4 * t + k;
-          for (int c = 0; c < n; ++c) {
-            acc[i][c] = MulAdd(low, Broadcast<Rows>(xg[j * N + c]), acc[i][c]);
-            acc[i][c] = MulAdd(high, Broadcast<Rows>(xg[(j + kGroup / 2) * N + c]), acc[i][c]);
-          }
-        }
-      }
-  };
-  // A byte per input: w = d (u - 128) for Q8_0 / Q5_0 (held q + 128), else w = d u + m.
-  auto quad_bytes = [&](int64_t q, const Rows* d, const Rows* m, const float* xg) {
-    for (int t = 0; t < 8; ++t)
-      for (int i = 0; i < B; ++i) {
-        const Ints v = LoadInts(group[i] + q + t * 4 * kRows);
-        for (int k = 0; k < 4; ++k) {
-          const Ints u = (v >> (8 * k)) & 255;
-          const Rows w = F == kQ8_0 ? __builtin_convertvector(u - 128, Rows) * d[i]
-                                    : MulAdd(__builtin_convertvector(u, Rows), d[i], m[i]);
-          for (int c = 0; c < n; ++c)
-            acc[i][c] = MulAdd(w, Broadcast<Rows>(xg[(4 * t + k) * N + c]), acc[i][c]);
-        }
-      }
-  };
   // Per block row: a float16 field at offset `at`; a byte field scaled (d * byte).
   auto halves = [&](int64_t at, Rows* out) {
     for (int i = 0; i < B; ++i) out[i] = Halves(group[i] + at);
@@ -212,16 +181,16 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
     Rows d[B], m[B];
     halves(0, d);
     if constexpr (F == kQ8_0) {
-      quad_bytes(2 * kRows, d, d, xg);  // no m
+      bytes(2 * kRows, d, xg, kGroup);
     } else if constexpr (F == kQ4_0) {
       for (int i = 0; i < B; ++i) m[i] = d[i] * -8.0f;
-      quad_nibbles(2 * kRows, d, m, xg);
+      nibbles(2 * kRows, d, m, xg);
     } else if constexpr (F == kQ4_1) {
       halves(2 * kRows, m);
-      quad_nibbles(4 * kRows, d, m, xg);
+      nibbles(4 * kRows, d, m, xg);
     } else if constexpr (F == kQ5_1) {
       halves(2 * kRows, m);
-      quad_bytes(4 * kRows, d, m, xg);
+      unsigned_bytes(4 * kRows, d, m, xg, kGroup);
     } else if constexpr (F == kQ4_K || F == kQ5_K) {  // d, dmin, sc[8], m[8], then 8 x 32 inputs
       Rows dmin[B], scale[B], offset[B];
       halves(2 * kRows, dmin);
@@ -258,8 +227,8 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
 //   acc = fma(d_w d, isum, acc)      and then, with m:      acc = fma(m, d sum_j q_j, acc).
 // That is the reference these products are exact to (tests/test_quantized.py holds it in numpy);
 // the dequantized float product differs from it by the activations' 8-bit rounding.
-// Each row's integers are held 4 inputs together (a quad of bytes per int32 lane, R rows side by
-// side), so one dot-product instruction (VNNI's vpdpbusd, or maddubs + madd) adds 4 products to each
+// Weights multiplied so hold each row's integers 4 inputs together (a quad of bytes per int32
+// lane, R rows side by side: models/quantized.py, layout_fields), so one dot-product instruction (VNNI's vpdpbusd, or maddubs + madd) adds 4 products to each
 // of R rows; the integers are exact, so every instruction set gives the same bits.
 
 template <Format F>

@@ -70,17 +70,15 @@ class QuantFormat:
     group: int
     fields: tuple[tuple[str, int, int], ...]
     ggml_block_bytes: int
-    signed: bool = False  # int8 integers, which the kernel holds as unsigned bytes q + 128
+    signed: bool = False  # int8 integers, which integer products hold as unsigned bytes q + 128
 
     @property
     def record_bytes(self) -> int:
         return sum(count * size for _, count, size in self.fields)
 
 
-# The integers of the formats the kernel multiplies with integer dot products are fields of 4-byte
-# items: the kernel holds 4 inputs of R rows side by side.
-_NIBBLES = ("q", 4, 4)  # 32 4-bit integers: byte j holds input j (low nibble) and j + 16 (high)
-_BYTES = ("q", 8, 4)  # 32 integers, a byte each
+_NIBBLES = ("q", 16, 1)  # 32 4-bit integers: byte j holds input j (low nibble) and j + 16 (high)
+_BYTES = ("q", 32, 1)  # 32 integers, a byte each
 FORMATS = {
     "q8_0": QuantFormat("q8_0", 32, (("d", 1, 2), _BYTES), 34, signed=True),  # w = d q
     "q4_0": QuantFormat("q4_0", 32, (("d", 1, 2), _NIBBLES), 18),  # w = d (q - 8)
@@ -252,22 +250,25 @@ class QuantizedWeight:
         return math.prod(self.shape) // self.in_features
 
     @staticmethod
-    def from_host(host: HostBlocks) -> QuantizedWeight:
-        """Regroup a loader's rows of records for the kernel (the same bytes, reordered)."""
+    def from_host(host: HostBlocks, activations: str = "float32") -> QuantizedWeight:
+        """Regroup a loader's rows of records for the kernel's `activations` (the same bytes,
+        reordered; `layout_fields`)."""
         fmt, r = host.format, block_rows()
+        activations = activations if fmt.name in INTEGER_FORMATS else "float32"
         rows, groups = host.data.shape[0], host.in_features // fmt.group
         padded = np.zeros((-(-rows // r) * r, groups, fmt.record_bytes), np.uint8)
-        padded[:rows] = _held_integers(fmt, host.data.reshape(rows, groups, fmt.record_bytes))
+        records = host.data.reshape(rows, groups, fmt.record_bytes)
+        padded[:rows] = _flip_signs(fmt, records) if activations == "int8" else records
         by_block = padded.reshape(-1, r, groups, fmt.record_bytes)  # [B, R, G, record]
         fields, at = [], 0
-        for _, count, size in fmt.fields:
+        for _, count, size in layout_fields(fmt, activations):
             field = by_block[..., at : at + count * size].reshape(*by_block.shape[:3], count, size)
             fields.append(
                 field.transpose(0, 2, 3, 1, 4).reshape(*field.shape[:1], groups, -1)
             )  # [B, G, count R size]
             at += count * size
         blocks = np.ascontiguousarray(np.concatenate(fields, axis=-1))
-        return QuantizedWeight(jnp.asarray(blocks), fmt.name, host.shape)
+        return QuantizedWeight(jnp.asarray(blocks), fmt.name, host.shape, activations)
 
     def to_host(self) -> HostBlocks:
         """The weight as rows of records again (what `from_host` was given): the layout a
@@ -280,16 +281,29 @@ class QuantizedWeight:
             field.reshape(nblocks, groups, count, r, size)
             .transpose(0, 3, 1, 2, 4)
             .reshape(nblocks, r, groups, -1)
-            for field, (_, count, size) in zip(_split_fields(blocks, fmt, r), fmt.fields, strict=True)
+            for field, (_, count, size) in zip(
+                _split_fields(blocks, fmt, r), layout_fields(fmt, self.activations), strict=True
+            )
         ]
         rows = np.concatenate(fields, axis=-1).reshape(nblocks * r, groups, -1)[: self.out_features]
-        rows = _held_integers(fmt, rows)  # flipping the sign bit back
+        rows = _flip_signs(fmt, rows) if self.activations == "int8" else rows
         return HostBlocks(fmt, np.ascontiguousarray(rows.reshape(rows.shape[0], -1)), self.shape)
 
 
-def _held_integers(fmt: QuantFormat, records: np.ndarray) -> np.ndarray:
-    """Records [..., record bytes] with a signed format's int8 integers as the kernel holds them,
-    q + 128 as unsigned bytes (their sign bit flipped; flipped again, they are the file's)."""
+def layout_fields(fmt: QuantFormat, activations: str) -> tuple[tuple[str, int, int], ...]:
+    """The record's fields as the kernel's layout for `activations` takes them, items of `size`
+    bytes with R rows side by side: integer products (int8) hold 4 inputs of a row together, so
+    their integers are items of 4 bytes; float products read a byte of R rows per load."""
+    if activations != "int8":
+        return fmt.fields
+    return tuple(
+        (name, count // 4, 4) if name == "q" else (name, count, size) for name, count, size in fmt.fields
+    )
+
+
+def _flip_signs(fmt: QuantFormat, records: np.ndarray) -> np.ndarray:
+    """Records [..., record bytes] with a signed format's int8 integers as integer products hold
+    them, q + 128 as unsigned bytes (their sign bit flipped; flipped again, they are the file's)."""
     if not fmt.signed:
         return records
     at = sum(count * size for _, count, size in fmt.fields[:-1])  # the integers come last
@@ -354,16 +368,17 @@ def dequantize(w: QuantizedWeight | StackedWeight, dtype=jnp.float32) -> jax.Arr
     """The weight's values [out..., in...] as `dtype` (computed as ggml dequantizes them)."""
     if isinstance(w, StackedWeight):
         return jnp.concatenate([dequantize(p, dtype) for p in w.parts], axis=w.axis)
-    return _dequantize_blocks(w.blocks, w.format)[: w.out_features].reshape(w.shape).astype(dtype)
+    values = _dequantize_blocks(w.blocks, w.format, w.activations)
+    return values[: w.out_features].reshape(w.shape).astype(dtype)
 
 
-def _dequantize_blocks(blocks: jax.Array, format: str) -> jax.Array:
-    """blocks [B, G, R x record] -> float32 [B R, G group]."""
+def _dequantize_blocks(blocks: jax.Array, format: str, activations: str) -> jax.Array:
+    """blocks [B, G, R x record] (the layout for `activations`) -> float32 [B R, G group]."""
     fmt = FORMATS[format]
     nblocks, groups, _ = blocks.shape
     r = _rows_per_block(blocks, fmt)
     field = dict(zip((name for name, _, _ in fmt.fields), _split_fields(blocks, fmt, r), strict=True))
-    sizes = {name: (count, size) for name, count, size in fmt.fields}
+    sizes = {name: (count, size) for name, count, size in layout_fields(fmt, activations)}
 
     def each(name: str, dtype) -> jax.Array:  # [B, G, count x size, R]: a field's bytes in order
         count, size = sizes[name]
@@ -378,8 +393,10 @@ def _dequantize_blocks(blocks: jax.Array, format: str) -> jax.Array:
         q = each(name, jnp.uint8).reshape(nblocks, groups, -1, 16, r)
         return jnp.concatenate([q & 15, q >> 4], axis=3).reshape(nblocks, groups, -1, r).astype(jnp.float32)
 
-    if format in ("q8_0", "q5_0"):  # held as q + 128
+    if format in ("q8_0", "q5_0") and activations == "int8":  # held as q + 128
         values = halves("d") * (each("q", jnp.uint8).astype(jnp.float32) - 128.0)
+    elif format in ("q8_0", "q5_0"):
+        values = halves("d") * each("q", jnp.int8).astype(jnp.float32)
     elif format == "q5_1":
         values = halves("d") * each("q", jnp.uint8).astype(jnp.float32) + halves("m")
     elif format == "q4_0":
@@ -403,7 +420,7 @@ def take_rows(w: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Arra
     """Rows `ids` [N] of the weight (an embedding's lookup) -> [N, in], dequantizing only their
     block rows."""
     r = _rows_per_block(w.blocks, FORMATS[w.format])
-    rows = _dequantize_blocks(w.blocks[ids // r], w.format).reshape(ids.shape[0], r, -1)
+    rows = _dequantize_blocks(w.blocks[ids // r], w.format, w.activations).reshape(ids.shape[0], r, -1)
     return jnp.take_along_axis(rows, (ids % r)[:, None, None], axis=1)[:, 0].astype(dtype)
 
 
@@ -436,13 +453,13 @@ def rounded_to_8_bits(x: jax.Array) -> jax.Array:
 
 def with_activations(params, activations: str):
     """`params` with every weight of INTEGER_FORMATS multiplied with `activations` ("float32" or
-    "int8"; the others have float products only)."""
-    mark = lambda w: (
-        dataclasses.replace(w, activations=activations)
-        if isinstance(w, QuantizedWeight) and w.format in INTEGER_FORMATS
+    "int8"; the others have float products only): regrouped, on the host, for that layout."""
+    relaid = lambda w: (
+        QuantizedWeight.from_host(w.to_host(), activations)
+        if isinstance(w, QuantizedWeight) and w.format in INTEGER_FORMATS and w.activations != activations
         else w
     )
-    return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+    return jax.tree.map(relaid, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
 
 
 def activations_of(params) -> str:
