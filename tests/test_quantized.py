@@ -82,8 +82,6 @@ def test_blocks_hold_exactly_what_ggml_dequantizes_to(format, activations):
     )
 
 
-
-
 def integer_parts(format: str, raw: np.ndarray, cols: int):
     """ggml's blocks [rows, ...] -> per row and block of 32 the scale d, the offset m (None
     without one), and the integers as w = d q + m takes them [rows, cols]."""
