@@ -99,6 +99,8 @@ def integer_parts(format: str, raw: np.ndarray, cols: int):
 
 
 def fma(a, b, c):
+    """a b + c rounded once to float32, as a fused multiply-add (the float32 product is exact in
+    float64; the sum's second rounding differs only on the rarest ties)."""
     return (a.astype(np.float64) * b + c).astype(np.float32)
 
 

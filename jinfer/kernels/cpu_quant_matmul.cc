@@ -228,8 +228,9 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
 // That is the reference these products are exact to (tests/test_quantized.py holds it in numpy);
 // the dequantized float product differs from it by the activations' 8-bit rounding.
 // Weights multiplied so hold each row's integers 4 inputs together (a quad of bytes per int32
-// lane, R rows side by side: models/quantized.py, layout_fields), so one dot-product instruction (VNNI's vpdpbusd, or maddubs + madd) adds 4 products to each
-// of R rows; the integers are exact, so every instruction set gives the same bits.
+// lane, R rows side by side: models/quantized.py, layout_fields), so one dot-product instruction
+// (VNNI's vpdpbusd, or maddubs + madd) adds 4 products to each of R rows; the integers are exact,
+// so every instruction set gives the same bits.
 
 template <Format F>
 constexpr bool kIntegerProduct = F == kQ8_0 || F == kQ4_0 || F == kQ4_1 || F == kQ5_1;
