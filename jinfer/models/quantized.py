@@ -496,7 +496,8 @@ def describe_held(params) -> str:
     if quantized:
         counts = ", ".join(f"{n} {name}" for name, n in sorted(formats_held(params).items()))
         parts.append(f"{quantized / 2**20:.1f} MiB quantized ({counts} matrices)")
-        parts.append(f"{activations_of(params)} activations")
+        if INTEGER_FORMATS & formats_held(params).keys():
+            parts.append(f"{activations_of(params)} activations")
     packed = [w for w in jax.tree.leaves(params, is_leaf=is_packed) if is_packed(w)]
     if packed:
         parts.append(f"{len(packed)} float matrices with packed copies")
