@@ -19,7 +19,7 @@ from jinfer.config import EngineConfig
 from jinfer.engine import Engine
 from jinfer.formats.gguf import load_gguf
 from jinfer.kernels import cpu_quant_matmul
-from jinfer.models import llama, quantized
+from jinfer.models import llama, quant_formats, quantized
 from jinfer.models.quantized import FORMATS, HostBlocks, QuantizedWeight
 
 GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in FORMATS}
@@ -55,7 +55,7 @@ def weight(
     blocks."""
     raw = random_blocks(format, rows, cols, seed)
     reference = gguf.quants.dequantize(raw, GGML[format]).reshape(rows, cols)
-    records = quantized.records_from_ggml(FORMATS[format], raw)
+    records = quant_formats.records_from_ggml(FORMATS[format], raw)
     w = QuantizedWeight.from_host(HostBlocks(FORMATS[format], records, (rows, cols)))
     return quantized.with_activations(w, activations), reference
 
@@ -68,7 +68,7 @@ def test_blocks_hold_exactly_what_ggml_dequantizes_to(format, activations):
     others hold their integers and sub-block scales as whole bytes)."""
     cols = width(format, 3)
     w, reference = weight(format, 37, cols, activations=activations)
-    records = quantized.records_from_ggml(FORMATS[format], random_blocks(format, 37, cols))
+    records = quant_formats.records_from_ggml(FORMATS[format], random_blocks(format, 37, cols))
     np.testing.assert_array_equal(w.to_host().data, records)
     if FORMATS[format].record_bytes == FORMATS[format].ggml_block_bytes:  # ggml's bytes as they are
         np.testing.assert_array_equal(records, random_blocks(format, 37, cols))
@@ -86,7 +86,7 @@ def integer_parts(format: str, raw: np.ndarray, cols: int):
     """ggml's blocks [rows, ...] -> per row and block of 32 the scale d, the offset m (None
     without one), and the integers as w = d q + m takes them [rows, cols]."""
     fmt = FORMATS[format]
-    records = quantized.records_from_ggml(fmt, raw).reshape(raw.shape[0], cols // 32, -1)
+    records = quant_formats.records_from_ggml(fmt, raw).reshape(raw.shape[0], cols // 32, -1)
     halves = lambda at: records[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
     d, m = halves(0), halves(2) if format in ("q4_1", "q5_1") else None
     start = 4 if m is not None else 2

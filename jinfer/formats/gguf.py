@@ -20,7 +20,8 @@ from jinfer.formats.gguf_reader import GGUFFile
 from jinfer.formats.hf import named_arrays
 from jinfer.formats.params import CheckpointError, LoadedModel, assemble_params, check_vocab
 from jinfer.models.family import for_gguf
-from jinfer.models.quantized import FORMATS, HostBlocks, records_from_ggml
+from jinfer.models.quant_formats import FORMATS, records_from_ggml
+from jinfer.models.quantized import HostBlocks
 from jinfer.tokenizer import HFBackend, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
