@@ -232,8 +232,12 @@ inline void Tile(const uint8_t* blocks, const float* x, float* y, int64_t groups
 // (VNNI's vpdpbusd, or maddubs + madd) adds 4 products to each of R rows; the integers are exact,
 // so every instruction set gives the same bits.
 
+// The formats with integer products (models/quantized.py: INTEGER_FORMATS; Q5_0 is held as Q8_0).
+constexpr bool HasIntegerProduct(int32_t format) {
+  return format == kQ8_0 || format == kQ4_0 || format == kQ4_1 || format == kQ5_1;
+}
 template <Format F>
-constexpr bool kIntegerProduct = F == kQ8_0 || F == kQ4_0 || F == kQ4_1 || F == kQ5_1;
+constexpr bool kIntegerProduct = HasIntegerProduct(F);
 template <Format F>
 constexpr bool kHasOffset = F == kQ4_1 || F == kQ5_1;  // w = d q + m
 template <Format F>
@@ -482,8 +486,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> blocks, ffi::Buffer
         "], x [K, N] and y [" + std::to_string(kRows) + " B, N] expected");
   const uint8_t* w = blocks.typed_data();
   float* out = y->typed_data();
-  const bool integer =
-      int8_activations != 0 && (format == kQ8_0 || format == kQ4_0 || format == kQ4_1 || format == kQ5_1);
+  const bool integer = int8_activations != 0 && HasIntegerProduct(format);
   thread_local QuantizedColumns quantized;  // kept between calls: no allocation per call
   if (integer) QuantizeColumns(x.typed_data(), xd[0], xd[1], quantized);
   const Columns columns{x.typed_data(), &quantized};
