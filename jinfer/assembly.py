@@ -1,6 +1,7 @@
 """Engine assembly: from a loaded model and the settings asked for to the parts an engine runs.
 
-    loaded model + EngineConfig -> mesh -> weights as held (the target's, a draft model's)
+    loaded model + EngineConfig -> mesh -> weights as held (the target's, a draft model's, the
+        target's adapter stack: `jinfer.adapter_slots`)
         -> the layout in effect (slots, pages, buckets, kernels: `jinfer.layout`)
         -> compiled programs (`jinfer.steps`) -> the device's values and calls (`jinfer.device`)
         -> the page pool's bookkeeping, the scheduler, request preparation, speculation policy
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 import jax
 
+from jinfer.adapter_slots import AdapterSlots
 from jinfer.config import EngineConfig
 from jinfer.device import Device
 from jinfer.draft import draft_weights
@@ -50,6 +52,7 @@ class EngineParts:
     preparer: RequestPreparer
     speculation: Speculation | None
     cache_bytes: int  # the KV pool's size
+    adapters: AdapterSlots
 
 
 def assemble(
@@ -74,7 +77,8 @@ def assemble(
     )
     if layout.packed_weights:  # one device: the packed copies' own placement will do
         params, draft_params = (cfg and pack_weights(p, cfg) for cfg, p in models)
-    carried = Weights(params, draft_params)
+    adapters = _adapter_slots(config, loaded, padded_cfg, layout.packed_weights, mesh, dtype)
+    carried = Weights(params, draft_params, adapters.stack())
     shardings = jax.tree.map(lambda a: a.sharding, carried)
     steps = build_steps(padded_cfg, layout, mesh, shardings, loaded.config.vocab_size, draft_cfg, processors)
     kv = KVPages(
@@ -102,7 +106,17 @@ def assemble(
         ),
         speculation=Speculation(layout, config.speculative_policy) if layout.verify_variants else None,
         cache_bytes=layout.num_pages * layout.page_size * per_token,
+        adapters=adapters,
     )
+
+
+def _adapter_slots(config: EngineConfig, loaded: LoadedModel, padded_cfg, packed: bool, mesh, dtype):
+    """The engine's adapter slots; their stack whole on every device, in the engine's dtype."""
+    if config.max_loras and padded_cfg != loaded.config:
+        raise ValueError("adapters (max_loras) are not served on a model padded for its mesh (mesh_model)")
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    place = lambda tree: jax.device_put(jax.tree.map(lambda a: a.astype(dtype), tree), whole)
+    return AdapterSlots(padded_cfg, config.max_loras, config.max_lora_rank, packed, place)
 
 
 def _scheduler(loaded: LoadedModel, layout: Layout, kv: KVPages) -> Scheduler:

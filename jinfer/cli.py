@@ -1,10 +1,11 @@
-"""The `jinfer` command line: serve, generate and convert.
+"""The `jinfer` command line: serve, generate, convert and finetune.
 
     jinfer serve [--model M] [--port 8000] [--config FILE|PRESET] ...   (see `jinfer serve --help`)
 
     jinfer generate [--model M] [--chat] --prompt TEXT [--prompt TEXT ...] [sampling flags]
     jinfer generate [--model M] --input prompts.jsonl --output results.jsonl [sampling flags]
     jinfer convert SRC DST        # any supported model -> jinfer orbax checkpoint directory
+    jinfer finetune [--model M] --data train.jsonl [--held-out eval.jsonl] --output DIR [flags]
 
 Sampling and engine flags are generated from `SamplingParams` and `EngineConfig`; sampling knobs
 left unset take the model's defaults, as they do on the server and in `jinfer.LLM`. Errors from
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -86,6 +88,47 @@ def _convert(args) -> int:
     return 0
 
 
+def _finetune(args) -> int:
+    from jinfer.finetune import TrainConfig, finetune
+    from jinfer.lora import LoraConfig
+    from jinfer.options import given
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO lines, a dozen per checkpoint
+    adapter = given(args, LoraConfig)
+    if args.targets:
+        adapter["targets"] = tuple(t.strip() for t in args.targets.split(","))
+    history = finetune(
+        args.model,
+        args.data,
+        args.output,
+        held_out_path=args.held_out,
+        config=TrainConfig(**given(args, TrainConfig)),
+        adapter=LoraConfig(**adapter),
+        full=args.full,
+    )
+    what = "the model" if args.full else "the adapter"
+    print(f"wrote {what} to {args.output}; last: {history[-1] if history else 'no update'}", file=sys.stderr)
+    return 0
+
+
+def _finetune_parser(sub) -> None:
+    from jinfer.finetune import TrainConfig
+    from jinfer.lora import LoraConfig
+    from jinfer.options import add_flags
+
+    tune = sub.add_parser("finetune", help="train a LoRA adapter (or every weight) on a JSONL file")
+    tune.add_argument("--model", default=None, help="what to train from (default: the embedded SmolLM2)")
+    tune.add_argument("--data", required=True, help='JSONL: {"messages": [...]} or {"prompt", "completion"}')
+    tune.add_argument("--held-out", default=None, help="JSONL of the same kind, for the held-out loss")
+    tune.add_argument("--output", required=True, help="the result and the checkpoints (a rerun resumes)")
+    tune.add_argument("--full", action="store_true", help="train every weight instead of an adapter")
+    tune.add_argument("--targets", default=None, help="the adapter's projections, e.g. q,v (default: all)")
+    add_flags(tune, TrainConfig, title="training")
+    add_flags(tune, LoraConfig, title="adapter")
+    tune.set_defaults(func=_finetune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jinfer.config import CONTEXT_POLICIES, QUANTIZATIONS, EngineConfig
     from jinfer.options import add_flags
@@ -137,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: auto)",
     )
     conv.set_defaults(func=_convert)
+    _finetune_parser(sub)
     return parser
 
 

@@ -228,6 +228,15 @@ class EngineConfig:
         "inputs and integer dot products, llama.cpp's arithmetic (faster; greedy text may part from "
         "the float model's where two tokens are close)",
     )
+    max_loras: int = setting(
+        0,
+        "low-rank adapters held at once (jinfer.lora), each request on one of them or on none: a "
+        "stack of this many beside the weights, read only by steps where some row has an adapter; "
+        "0: none",
+    )
+    max_lora_rank: int = setting(
+        16, "the highest rank an adapter may have (each held adapter takes this many rows)"
+    )
     mesh_data: int = setting(1, "devices along the data axis (slots are split over it)")
     mesh_model: int = setting(1, "devices along the model axis (heads, MLP width, vocabulary)")
     context_policy: str = setting("error", "for requests that name none: error | truncate | drop_oldest")
@@ -257,12 +266,14 @@ class EngineConfig:
             if isinstance(getattr(self, name), str) and getattr(self, name).lower() == "auto":
                 object.__setattr__(self, name, None)
         positive = ("max_slots", "max_seq_len", "max_queue", "max_num_batched_tokens", "decode_steps")
-        positive += ("num_draft_tokens",)
+        positive += ("num_draft_tokens", "max_lora_rank")
         for name in positive:
             if name == "max_slots" and self.max_slots is None:  # auto
                 continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be a non-negative integer, got {self.max_loras!r}")
         if self.kv_cache_tokens is not None and (
             not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1
         ):

@@ -156,11 +156,20 @@ class Device:
             self.cache = self.steps.new_cache(self.dtype)
             self.state = self.steps.new_state()
 
-    def score(self, tokens):
-        """`jinfer.scoring`'s program over tokens [1, T]: (chosen, top ids, top log-probs) on device."""
+    def set_adapters(self, adapters) -> None:
+        """Serve this adapter stack (`jinfer.lora.AdapterStack`, shaped as the one the programs were
+        built with) from the next call on."""
+        with self._lock:
+            self.weights = self.weights.replace(adapters=adapters)
+
+    def score(self, tokens, adapter: int = -1):
+        """`jinfer.scoring`'s program over tokens [1, T] (through the adapter in this slot of the
+        stack; -1: none): (chosen, top ids, top log-probs) on device."""
         if self.weights_dropped:
             raise RuntimeError("the weights were dropped (sleep level 2): wake_up or update_weights first")
-        return self._call("score", (tokens,), lambda: self._score(self._score_params, tokens))
+        stack = None if adapter < 0 else self.weights.adapters
+        run = lambda: self._score(self._score_params, tokens, stack, np.int32(adapter))
+        return self._call("score", (tokens, adapter), run)
 
     # ---------------------------------------------------------------------------- warm-up
     def page_list(self, pages: list[int]) -> np.ndarray:

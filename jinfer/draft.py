@@ -25,6 +25,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+import jinfer.lora as lora
 from jinfer.config import EngineConfig, ModelConfig
 from jinfer.formats.params import CheckpointError, LoadedModel
 from jinfer.loading import engine_weights, load_model, placement_for
@@ -40,14 +41,27 @@ VOCABULARY_PROBE = 'The quick brown fox, 1234 times!\n\tdef f(x):\n        retur
 
 
 def run_model(
-    weights: Weights, groups, cfg: ModelConfig, caches: Caches, tables, *, draft_cfg=None, **attention
+    weights: Weights,
+    groups,
+    cfg: ModelConfig,
+    caches: Caches,
+    tables,
+    *,
+    adapters=None,
+    draft_cfg=None,
+    **attention,
 ):
     """The target's pass over token groups (its family's `forward_groups`): hidden states per group
     and the caches; with `draft_cfg`, the draft model's pass over the same tokens writes their K/V
     into its own cache (its hidden states are not used). Without it, a draft model's cache is left
-    as it is (`Speculation.feeds_draft`)."""
+    as it is (`Speculation.feeds_draft`). `adapters`: per group, each row's slot in the target's
+    adapter stack [b] (`jinfer.lora`; the draft model has none: it only proposes tokens)."""
+    target_params = weights.target
+    if weights.adapters is not None and adapters is not None:
+        slots = [jnp.repeat(rows, g.tokens.shape[1]) for rows, g in zip(adapters, groups, strict=True)]
+        target_params = lora.adapted(target_params, cfg, weights.adapters, jnp.concatenate(slots))
     target_pass = family_of(cfg).forward_groups
-    hidden, target = target_pass(weights.target, groups, cfg, caches.target, tables, **attention)
+    hidden, target = target_pass(target_params, groups, cfg, caches.target, tables, **attention)
     if draft_cfg is None:
         return hidden, caches.replace(target=target)
     draft_pass = family_of(draft_cfg).forward_groups

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+import jinfer.adapter_slots as adapter_slots
 import jinfer.residency as residency
 from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
@@ -88,7 +89,7 @@ class Engine:
         self.mesh, self.dtype, self.layout, self.steps = parts.mesh, parts.dtype, parts.layout, parts.steps
         self.device, self.kv, self.scheduler = parts.device, parts.kv, parts.scheduler
         self.preparer, self.speculation = parts.preparer, parts.speculation
-        self.cache_bytes = parts.cache_bytes
+        self.cache_bytes, self.adapters = parts.cache_bytes, parts.adapters
         self._tables_version = self.kv.version  # of the device's block tables
         self.weights_version = 0  # how many times update_weights replaced the loaded weights
         self.asleep = 0  # the level of the sleep it is in (`jinfer.residency`); 0: awake
@@ -114,6 +115,7 @@ class Engine:
 
     # What the device holds between requests (`jinfer.residency`).
     update_weights, sleep, wake_up = residency.update_weights, residency.sleep, residency.wake_up
+    load_adapter, unload_adapter = adapter_slots.load_adapter, adapter_slots.unload_adapter
 
     def warmup(self) -> float:
         """Compile every verb's variants (`Device.warm_up`) and time verify against decode steps
@@ -182,6 +184,7 @@ class Engine:
         but its inputs to the registered processors (a RequestError)."""
         sampling = prepared.sampling
         drafting = self.speculation is not None and may_draft(sampling, prepared.grammar is not None)
+        adapter, salt = self.adapters.resolve(prepared.adapter, prepared.cache_salt)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_ids=prepared.prompt_ids,
@@ -195,10 +198,11 @@ class Engine:
                 self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ()), prepared.tools is None
             ),
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
-            kv=SequencePages(prepared.cache_salt, drafted=drafting and self.steps.draft_model is not None),
+            kv=SequencePages(salt, drafted=drafting and self.steps.draft_model is not None),
             constraint=prepared.grammar.start() if prepared.grammar is not None else None,
             drafts=DraftRecord(drafting=drafting),
             processor_inputs=processor_inputs(self.steps.processors, prepared),
+            adapter=adapter,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:
@@ -214,9 +218,11 @@ class Engine:
             self._lock.notify_all()
 
     def submit(self, prepared: PreparedRequest, sink, *, request_id=None, block=False) -> Request:
-        """make_request + enqueue."""
-        request = self.make_request(prepared, sink, request_id=request_id)
-        self.enqueue(request, block)
+        """make_request + enqueue, both under the lock: an adapter swap (`load_adapter`) comes before
+        the request names its adapter's slot or after the slot is held."""
+        with self._lock:
+            request = self.make_request(prepared, sink, request_id=request_id)
+            self.enqueue(request, block)
         return request
 
     def cancel(self, request_id: str) -> bool:

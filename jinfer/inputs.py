@@ -84,6 +84,7 @@ class RowInputs:
     allowed: Any  # [slots, W] int32 allowed-token bitmask by slot, or None: no row constrained
     plan: DraftPlan | None = None  # a verify dispatch's draft plan
     processors: Any = None  # {name: [rows, ...]}: each registered RowProcessor's input
+    adapter: Any = None  # [rows] int32: the row's slot in the adapter stack (`jinfer.lora`), -1: none
 
     @property
     def rows(self) -> int:
@@ -106,6 +107,7 @@ INPUTS = RowInputs(
         costs=InputSpec(("lengths",), np.float32, 1.0),
         force=InputSpec((), np.int32, -1),
     ),
+    adapter=InputSpec(("rows",), np.int32, -1),
 )
 
 
@@ -164,9 +166,13 @@ def processor_inputs(processors: Sequence[RowProcessor], prepared) -> dict[str, 
 
 def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -> RowInputs:
     """The inputs of a dispatch of one row per owner (a request, or None for a row without one):
-    the dispatch's own `fields` as given, each registered processor's values from its rows'
-    requests (`Request.processor_inputs`), everything else neutral."""
+    the dispatch's own `fields` as given, each registered processor's values and each row's
+    adapter from its rows' requests (`Request.processor_inputs`, `Request.adapter`), everything
+    else neutral."""
     inputs = neutral_inputs(len(owners), processors=processors)
+    for row, request in enumerate(owners):
+        if request is not None:
+            inputs.adapter[row] = request.adapter
     for processor in processors:
         values = inputs.processors[processor.name]
         for row, request in enumerate(owners):

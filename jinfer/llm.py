@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 
+import jinfer.lora as lora
 from jinfer.cluster import join_cluster
 from jinfer.compile_cache import use as use_compile_cache
 from jinfer.config import EngineConfig
 from jinfer.engine import Engine
+from jinfer.formats.adapters import read_adapter
 from jinfer.inputs import RowProcessor
 from jinfer.loading import default_model_path, engine_weights, load_model, placement_for
 from jinfer.models.params import unpacked
@@ -145,20 +147,35 @@ class LLM:
         loaded = load_model(self._path, quantization=config.quantization, placement=placement_for(config))
         return engine_weights(loaded, config, self.engine.mesh, self.engine.dtype)[1]
 
+    def load_adapter(self, name: str, adapter) -> None:
+        """Hold a low-rank adapter under `name` (`jinfer.lora.Adapter`, a pytree in memory, or a
+        PEFT or jinfer adapter directory) for `adapter=name` in generate, chat and score: no
+        recompile. The LLM needs `max_loras` > 0. Call it between generate calls (the requests of a
+        generate call name their adapters' slots when the call starts)."""
+        if not isinstance(adapter, lora.Adapter):
+            adapter = read_adapter(os.fspath(adapter), self.engine.model_config)
+        self.engine.load_adapter(name, adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget the adapter `name` (KeyError if none is loaded under it)."""
+        self.engine.unload_adapter(name)
+
     # ------------------------------------------------------------------------------ public
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         context_policy: str | None = None,
+        adapter: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """Complete each prompt (text, or token ids used as they are), batched through the slots."""
+        """Complete each prompt (text, or token ids used as they are), batched through the slots;
+        `adapter`: a loaded adapter's name for all of them, or one (or None) per prompt."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not a single string")
         per = self._per_prompt(sampling, len(prompts))
         items = [
-            self.preparer.prepare(p, sampling=s, context_policy=context_policy)
-            for p, s in zip(prompts, per, strict=True)
+            self.preparer.prepare(p, sampling=s, context_policy=context_policy, adapter=a)
+            for p, s, a in zip(prompts, per, _per_item(adapter, len(prompts)), strict=True)
         ]
         return self._run_all(items)
 
@@ -168,6 +185,7 @@ class LLM:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         context_policy: str | None = None,
         *,
+        adapter: str | Sequence[str | None] | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -177,13 +195,14 @@ class LLM:
         With context_policy="drop_oldest", whole early non-system messages are dropped until the
         conversation fits; `metrics["dropped_messages"]` says how many. `tools`, `tool_choice`
         and `parallel_tool_calls` are OpenAI's (`jinfer.tools`); calls the model makes come back
-        parsed in `Completion.tool_calls`, with finish_reason "tool_calls".
+        parsed in `Completion.tool_calls`, with finish_reason "tool_calls". `adapter` as for generate.
         """
         per = self._per_prompt(sampling, len(conversations))
         options = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
+        options["context_policy"] = context_policy
         items = [
-            self.preparer.prepare(messages=list(m), sampling=s, context_policy=context_policy, **options)
-            for m, s in zip(conversations, per, strict=True)
+            self.preparer.prepare(messages=list(m), sampling=s, adapter=a, **options)
+            for m, s, a in zip(conversations, per, _per_item(adapter, len(conversations)), strict=True)
         ]
         return self._run_all(items)
 
@@ -225,9 +244,13 @@ class LLM:
                     still.append((request, collector, prepared))
             running = still
 
-    def score(self, sequences: Sequence[str] | Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """log p(x_i | x_<i) for i >= 1 of each sequence, float32, length len - 1."""
-        return [self.engine.scorer(self.preparer.prompt_ids(seq)).chosen for seq in sequences]
+    def score(
+        self, sequences: Sequence[str] | Sequence[Sequence[int]], adapter: str | None = None
+    ) -> list[np.ndarray]:
+        """log p(x_i | x_<i) for i >= 1 of each sequence, float32, length len - 1 (through the
+        loaded adapter of that name)."""
+        slot = self.engine.adapters.resolve(adapter, None)[0]
+        return [self.engine.scorer(self.preparer.prompt_ids(seq), slot).chosen for seq in sequences]
 
     # ----------------------------------------------------------------------------- internal
     def _per_prompt(self, sampling, n: int) -> list[SamplingParams | None]:
@@ -236,3 +259,12 @@ class LLM:
         if len(sampling) != n:
             raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
         return list(sampling)
+
+
+def _per_item(value, n: int) -> list:
+    """One value for n items, or a sequence of n of them."""
+    if value is None or isinstance(value, str):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"got {len(value)} values for {n} items")
+    return list(value)

@@ -67,6 +67,7 @@ class PreparedRequest:
     cache_salt: str | None = None  # the prefix cache finds its prompt only for requests with the same
     grammar: CompiledGrammar | None = None  # the sampling's constraint, compiled (`jinfer.structured`)
     tools: ToolUse | None = None  # how to read tool calls in the output (`jinfer.tools`)
+    adapter: str | None = None  # the name of the adapter it runs through (`jinfer.adapter_slots`)
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -217,11 +218,15 @@ class RequestPreparer:
         tools: Any = None,
         tool_choice: Any = None,
         parallel_tool_calls: bool = True,
+        adapter: str | None = None,
     ) -> PreparedRequest:
         """Exactly one of `prompt` (text or ids) and `messages` (a chat). `cache_salt`: prompts
         cached under it are found only by requests with the same salt (tenants that must not
         share the prefix cache, or measure each other's hits, use different salts). `tools`,
-        `tool_choice`, `parallel_tool_calls`: OpenAI's, for a chat (`jinfer.tools`)."""
+        `tool_choice`, `parallel_tool_calls`: OpenAI's, for a chat (`jinfer.tools`). `adapter`:
+        the name of a loaded adapter (the engine resolves it)."""
+        if adapter is not None:
+            check_text(adapter, "adapter")
         if (prompt is None) == (messages is None):
             raise RequestError("give either a prompt or messages", "prompt")
         if cache_salt is not None and (not check_text(cache_salt, "cache_salt") or len(cache_salt) > 1024):
@@ -246,7 +251,16 @@ class RequestPreparer:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}", "stop_token_ids")
         grammar = self.grammars.compile(sampling)
         return PreparedRequest(
-            ids, sampling, max_tokens, stop_ids, dropped_tokens, dropped_messages, cache_salt, grammar, use
+            ids,
+            sampling,
+            max_tokens,
+            stop_ids,
+            dropped_tokens,
+            dropped_messages,
+            cache_salt,
+            grammar,
+            use,
+            adapter,
         )
 
     def _tools(self, messages, tools, tool_choice, parallel: bool, sampling: SamplingParams):

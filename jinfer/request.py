@@ -75,6 +75,7 @@ class Request:
     # stored by the scheduler).
     drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)
     processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # `inputs.processor_inputs`
+    adapter: int = -1  # its slot in the engine's adapter stack (`jinfer.adapter_slots`), -1: none
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jinfer.lora as lora
 from jinfer.models.attention import TokenGroup
 from jinfer.models.family import family_of
 from jinfer.sampling import TOP_LOGPROBS
@@ -31,10 +32,13 @@ class SequenceLogprobs(NamedTuple):
     top_logprobs: np.ndarray  # [T - 1, TOP_LOGPROBS] float32
 
 
-def score_program(params, tokens, *, cfg, vocab):
-    """log p(tokens[:, i+1] | tokens[:, :i+1]) for every i, and the top alternatives there."""
+def score_program(params, tokens, adapters=None, slot=None, *, cfg, vocab):
+    """log p(tokens[:, i+1] | tokens[:, :i+1]) for every i, and the top alternatives there; with
+    `adapters` (a `lora.AdapterStack`), through the adapter in its `slot`."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     family = family_of(cfg)
+    if adapters is not None:
+        params = lora.adapted(params, cfg, adapters, jnp.full(tokens.size, slot, jnp.int32))
     (hidden,), _ = family.forward_groups(params, (TokenGroup(tokens, positions),), cfg)
     logp = jax.nn.log_softmax(family.logits(params, hidden[:, :-1])[..., :vocab], axis=-1)  # [B, T-1, V]
     chosen = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -49,7 +53,7 @@ class Scorer:
         self._run = run
         self.max_seq_len = max_seq_len
 
-    def __call__(self, ids: list[int]) -> SequenceLogprobs:
+    def __call__(self, ids: list[int], adapter: int = -1) -> SequenceLogprobs:
         if not 1 <= len(ids) <= self.max_seq_len:
             raise ValueError(f"a sequence of {len(ids)} tokens; scoring takes 1 to {self.max_seq_len}")
         size = MIN_BUCKET
@@ -57,6 +61,6 @@ class Scorer:
             size *= 2
         tokens = np.zeros((1, size), np.int32)
         tokens[0, : len(ids)] = ids
-        out = self._run(tokens)
+        out = self._run(tokens, adapter)
         chosen, top_ids, top_logprobs = (np.asarray(a[0, : len(ids) - 1]) for a in out)
         return SequenceLogprobs(chosen.astype(np.float32), top_ids, top_logprobs.astype(np.float32))

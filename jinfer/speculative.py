@@ -230,7 +230,7 @@ def _check_drafts(params, cache, state, tables, step: RowStep, drafts, real, *, 
     tokens = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
     group = TokenGroup.of_rows(tokens, state.positions, step.active)
     # The target's pass only: the draft model (if any) wrote its K/V while drafting.
-    (hidden,), cache = run_model(params, (group,), cfg, cache, tables, **attention)
+    (hidden,), cache = run_model(params, (group,), cfg, cache, tables, adapters=(step.adapters,), **attention)
     logits = family_of(cfg).logits(params.target, hidden)[..., :vocab]  # [rows, k + 1, V]
     first = logits[:, 0]
     kept = jax.lax.cond(
@@ -271,7 +271,7 @@ def verify(params, cache, state, tables, inputs, chunk: None, *, steps, processo
     processing = inputs.processing(processors)
 
     def step(cache, part, active, deferred):
-        rows = RowStep(active, deferred, inputs.want_logprobs, processing)
+        rows = RowStep(active, deferred, inputs.want_logprobs, processing, inputs.adapter)
         cache, part, out, checked, kind = verify_step(
             params, cache, part, tables, rows, inputs.plan, **options
         )

@@ -108,13 +108,14 @@ def put_rows(full: SlotState, part: SlotState) -> SlotState:
 class RowStep(NamedTuple):
     """What one step of a decode or verify program knows of its rows: which take part (active
     [rows] bool), which are fed but not sampled (deferred [rows] bool, a grammar's), whether
-    log-probs are wanted, and the registered processors' (function, values) pairs
-    (`RowInputs.processing`)."""
+    log-probs are wanted, the registered processors' (function, values) pairs
+    (`RowInputs.processing`), and each row's adapter."""
 
     active: jax.Array
     deferred: jax.Array
     want_logprobs: jax.Array
     processing: tuple = ()
+    adapters: jax.Array | None = None  # [rows] int32: each row's slot in the adapter stack (-1: none)
 
     @property
     def sampled(self) -> jax.Array:

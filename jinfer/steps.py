@@ -195,7 +195,9 @@ def _prefill(
     chunk = packed.unpack()
     group = _chunk_group(chunk)
     attention = {"attention_kernel": attention_kernel}
-    (hidden,), cache = run_model(params, (group,), cfg, cache, tables, draft_cfg=draft_cfg, **attention)
+    (hidden,), cache = run_model(
+        params, (group,), cfg, cache, tables, adapters=(inputs.adapter,), draft_cfg=draft_cfg, **attention
+    )
     pieces = chunk.slot.shape[0]
     logits = jax.lax.cond(
         jnp.any(chunk.last),
@@ -211,7 +213,9 @@ def _decode_step(params, cache, state, tables, step: RowStep, *, cfg, vocab, dra
     """One decode step for the state's rows (slots 0..rows-1, `step`). Returns the cache, the rows'
     state and their output [rows]. `attention`: attn_len and attention_kernel."""
     group = TokenGroup.of_rows(state.tokens[:, None], state.positions, step.active)
-    (hidden,), cache = run_model(params, (group,), cfg, cache, tables, draft_cfg=draft_cfg, **attention)
+    (hidden,), cache = run_model(
+        params, (group,), cfg, cache, tables, adapters=(step.adapters,), draft_cfg=draft_cfg, **attention
+    )
     logits = family_of(cfg).logits(params.target, hidden[:, 0])[:, :vocab]
     state, out = _sample_step(state, logits, step)
     return cache, state, out
@@ -251,12 +255,15 @@ def _mixed(
     rows = inputs.steps.shape[0] - chunk.slot.shape[0]
     part = rows_of(state, rows)
     processing = inputs.processing(processors, slice(0, rows))
-    step = RowStep(inputs.steps[:rows] > 0, inputs.deferred[:rows], inputs.want_logprobs, processing)
+    adapters = (inputs.adapter[:rows], inputs.adapter[rows:])
+    step = RowStep(
+        inputs.steps[:rows] > 0, inputs.deferred[:rows], inputs.want_logprobs, processing, adapters[0]
+    )
     decoding = TokenGroup.of_rows(part.tokens[:, None], part.positions, step.active)
     groups = (decoding, _chunk_group(chunk))
     attention = {"attention_kernel": attention_kernel}
     (row_hidden, piece_hidden), cache = run_model(
-        params, groups, cfg, cache, tables, draft_cfg=draft_cfg, **attention
+        params, groups, cfg, cache, tables, adapters=adapters, draft_cfg=draft_cfg, **attention
     )
     last = jnp.concatenate([row_hidden[:, 0], _last_real(piece_hidden, chunk)])
     logits = family_of(cfg).logits(params.target, last)[:, :vocab]  # one product: [rows + P, V]
@@ -277,7 +284,7 @@ def _decode(
     processing = inputs.processing(processors)
 
     def step(cache, part, active, deferred):
-        rows = RowStep(active, deferred, inputs.want_logprobs, processing)
+        rows = RowStep(active, deferred, inputs.want_logprobs, processing, inputs.adapter)
         return _decode_step(params, cache, part, tables, rows, **step_options)
 
     cache, state, outs = scan_rows(step, cache, state, inputs.steps, inputs.deferred, steps)

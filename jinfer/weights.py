@@ -1,7 +1,9 @@
 """What the steps carry per model, as one tree each: the weights and the KV caches of the target
 model and, with speculative decoding by a draft model (`jinfer.draft`), of the draft model.
 
-    Weights(target, draft=None)   the models' parameter pytrees, as held (float, packed, quantized)
+    Weights(target, draft=None, adapters=None)
+                                  the models' parameter pytrees, as held (float, packed, quantized),
+                                  and the target's stack of low-rank adapters (`jinfer.lora`)
     Caches(target, draft=None)    their paged KV caches (`jinfer.kv_cache.KVCache`), one page numbering
 
 The trees always have this shape: a step reads `.target`, and `.draft` where a draft model runs
@@ -26,6 +28,7 @@ from jinfer.models.params import pack_weights, unpacked
 class Weights:
     target: Any  # the served model's parameters
     draft: Any = None  # a draft model's, or None
+    adapters: Any = None  # the target's `lora.AdapterStack` (EngineConfig.max_loras > 0), or None
 
 
 @struct.dataclass

@@ -98,12 +98,15 @@ def transformers_decode(model, input_ids, batch: int, tokens: int) -> float:
     return batch * (tokens - 1) / (total - prefill)
 
 
-def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int | None = None) -> float:
+def time_decode_calls(
+    engine, slots: int, reach: int, calls: int, position: int | None = None, adapters=None
+) -> float:
     """Seconds per decode step over `calls` back-to-back calls of the engine's compiled decode for
     `slots` slots (over the attention bucket holding `reach` positions), on the engine's own cache
     and state, which it keeps afterwards (they are donated). Each slot reads and writes pages of its
     own (as many as a full-length sequence has: the pool must hold slots x max_seq_len positions).
-    With `position`, every slot starts there; otherwise where the engine's requests left it."""
+    With `position`, every slot starts there; otherwise where the engine's requests left it.
+    `adapters` [slots]: each row's slot in the engine's adapter stack (default: none)."""
     from jinfer.inputs import Program, neutral_inputs
     from jinfer.kv_cache import contiguous_tables
 
@@ -115,6 +118,8 @@ def time_decode_calls(engine, slots: int, reach: int, calls: int, position: int 
     tables = engine.steps.put_tables(tables)
     every_step = np.full(slots, layout.decode_steps, np.int32)  # every slot, every step
     inputs = neutral_inputs(slots).replace(steps=every_step, allowed=engine.steps.unconstrained)
+    if adapters is not None:
+        inputs = inputs.replace(adapter=np.asarray(adapters, np.int32))
     cache, state = engine.device.cache, engine.device.state
     if position is not None:
         state = state.replace(positions=jnp.full_like(state.positions, position))

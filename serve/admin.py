@@ -1,7 +1,8 @@
-"""The endpoints that change what the engine holds between requests (`jinfer.residency`), for
-research loops and servers that lend their memory: POST /v1/update_weights, /sleep and /wake_up.
-Only on a server started with an API key (a 403 otherwise: they would let anyone swap the model);
-a 409 while requests run."""
+"""The endpoints that change what the engine holds between requests (`jinfer.residency`,
+`jinfer.adapter_slots`), for research loops and servers that lend their memory: POST
+/v1/update_weights, /sleep, /wake_up, /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+names and bodies). Only on a server started with an API key (a 403 otherwise: they would let
+anyone swap the model); a 409 while requests run (weights) or hold every adapter slot."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jinfer.adapter_slots import NoFreeSlot
+from jinfer.formats.adapters import read_adapter
 from jinfer.loading import CheckpointError, load_model, placement_for
 
 from .protocol import APIError
@@ -75,6 +78,50 @@ class Admin:
         log.info("weights from %s: version %d", body["path"], version)
         return JSONResponse({"weights_version": version})
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """`{"lora_name", "lora_path"}`: the adapter in that directory (PEFT or jinfer's) served
+        under that name, for requests whose `model` names it; a name loaded again swaps its
+        adapter for requests from now on (those running finish on theirs)."""
+        self._check_admin()
+        body = await self.api._body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if set(body) - {"lora_name", "lora_path"} or not all(isinstance(v, str) and v for v in (name, path)):
+            raise APIError(
+                400, 'the body must be {"lora_name": a name, "lora_path": a directory}', param="lora_path"
+            )
+        if name == self.api.model_name:
+            raise APIError(400, f"'{name}' is the base model's name", param="lora_name")
+        engine = self.api.engine
+        try:
+            adapter = await asyncio.to_thread(read_adapter, path, engine.model_config)
+        except (CheckpointError, ValueError, OSError) as e:
+            raise APIError(400, f"cannot read an adapter there: {e}", param="lora_path") from None
+        try:
+            await asyncio.to_thread(engine.load_adapter, name, adapter)
+        except NoFreeSlot as e:
+            raise APIError(409, str(e), param="lora_name", code="busy") from None
+        except (RuntimeError, ValueError) as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        self.api.adapter_paths[name] = path
+        log.info("adapter '%s' loaded from %s", name, path)
+        return JSONResponse({"status": "loaded", "lora_name": name})
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """`{"lora_name"}`: new requests naming it get a 404; running ones finish on it."""
+        self._check_admin()
+        body = await self.api._body(request)
+        name = body.get("lora_name")
+        if set(body) - {"lora_name"} or not isinstance(name, str):
+            raise APIError(400, 'the body must be {"lora_name": a loaded adapter\'s name}', param="lora_name")
+        try:
+            await asyncio.to_thread(self.api.engine.unload_adapter, name)
+        except KeyError:
+            raise APIError(
+                404, f"no adapter named '{name}' is loaded", param="lora_name", code="model_not_found"
+            ) from None
+        self.api.adapter_paths.pop(name, None)
+        return JSONResponse({"status": "unloaded", "lora_name": name})
+
 
 def admin_routes(api) -> list[Route]:
     admin = Admin(api)
@@ -82,4 +129,6 @@ def admin_routes(api) -> list[Route]:
         Route("/v1/update_weights", admin.update_weights, methods=["POST"]),
         Route("/sleep", admin.sleep, methods=["POST"]),
         Route("/wake_up", admin.wake_up, methods=["POST"]),
+        Route("/v1/load_lora_adapter", admin.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", admin.unload_lora_adapter, methods=["POST"]),
     ]

@@ -14,6 +14,7 @@ the handlers. The app never touches a slot or a device array: it talks to the en
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from collections.abc import Callable
@@ -115,6 +116,7 @@ class JinferAPI:
         self.metrics = ServingMetrics(engine.stats, lambda: engine.dispatch_counts)
         self.ready = False
         self.draining = False
+        self.adapter_paths: dict[str, str] = {}  # where each adapter loaded by name came from
 
     # ------------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -186,9 +188,18 @@ class JinferAPI:
             chunks.append(chunk)
         return parse_json_object(b"".join(chunks))
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
+    def _check_model(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model); 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.engine.adapters.names:
+            return model
+        raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
+
+    def _parsed(self, body: dict, kind: str) -> GenerationRequest:
+        """A generation body parsed, with the adapter its model names."""
+        req = parse_generation(body, kind, self._max_n)
+        return dataclasses.replace(req, adapter=self._check_model(req.model))
 
     def _prepare(self, req: GenerationRequest) -> list[PreparedRequest]:
         """The request's prompts (or its chat) prepared, one each."""
@@ -197,6 +208,7 @@ class JinferAPI:
                 "sampling": req.sampling,
                 "context_policy": req.context_policy,
                 "cache_salt": req.cache_salt,
+                "adapter": req.adapter,
             }
             if req.kind == "chat":
                 tools = {n: getattr(req, n) for n in ("tools", "tool_choice", "parallel_tool_calls")}
@@ -272,12 +284,17 @@ class JinferAPI:
             "weights_version": self.engine.weights_version,  # 0: as loaded; POST /v1/update_weights
         }
 
+    def _adapter_card(self, name: str) -> dict[str, Any]:
+        card = {"id": name, "object": "model", "created": now(), "owned_by": "jinfer"}
+        return card | {"parent": self.model_name, "root": self.adapter_paths.get(name)}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        adapters = [self._adapter_card(name) for name in sorted(self.engine.adapters.names)]
+        return JSONResponse({"object": "list", "data": [self._model_card(), *adapters]})
 
     async def model(self, request: Request) -> Response:
-        self._check_model(request.path_params["model_id"])  # another id: 404 model_not_found
-        return JSONResponse(self._model_card())
+        adapter = self._check_model(request.path_params["model_id"])  # another id: 404 model_not_found
+        return JSONResponse(self._model_card() if adapter is None else self._adapter_card(adapter))
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -300,8 +317,7 @@ class JinferAPI:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         self._check_serving()
-        req = parse_generation(await self._body(request), kind, self._max_n)
-        self._check_model(req.model)
+        req = self._parsed(await self._body(request), kind)
         if req.score_only:
             return await self.writer.score_only(req, [p.prompt_ids for p in await self._prepared(req)])
         queue: asyncio.Queue = asyncio.Queue()
@@ -314,8 +330,7 @@ class JinferAPI:
         """OpenAI's Responses API, as a chat (serve/responses_api.py)."""
         self._check_serving()
         body = await self._body(request)
-        req = parse_generation(chat_body(body), "chat", self._max_n)
-        self._check_model(req.model)
+        req = self._parsed(chat_body(body), "chat")
         queue: asyncio.Queue = asyncio.Queue()
         submitted = self._open_all(req, await self._prepared(req), queue)
         if req.stream:
@@ -348,8 +363,7 @@ class JinferAPI:
                         raise APIError(400, f"id {client_id!r} is already running", param="id")
                     self._check_serving()
                     body = {k: v for k, v in message.items() if k not in ("type", "id")}
-                    req = parse_generation(body, message["type"], self._max_n)
-                    self._check_model(req.model)
+                    req = self._parsed(body, message["type"])
                     queue: asyncio.Queue = asyncio.Queue()
                     submitted = self._open_all(req, await self._prepared(req), queue)
                 except APIError as e:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(parser, ServerConfig, title="server")
     add_flags(parser, EngineConfig, title="engine", defaults=SERVING_DEFAULTS)
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve a low-rank adapter (a PEFT or jinfer directory) under NAME, which a request's "
+        "`model` picks (repeatable; max_loras grows to hold them all)",
+    )
     return parser
 
 
@@ -164,15 +173,19 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        adapters = _adapter_paths(args.lora)
+        if len(adapters) > engine_config.max_loras:
+            engine_config = dataclasses.replace(engine_config, max_loras=len(adapters))
         member, sock = _join_and_listen(server, engine_config)
         engine, model_path = _load_engine(server, engine_config, sampling)
+        _load_adapters(engine, adapters)
     except StartError as e:
         print(f"jinfer serve: error: {e}", file=sys.stderr)
         return 2
     if sock is None:
         log.info("process %d follows process 0's device calls", member.rank)
         return engine.follow()
-    _serve(engine, server, model_path, keys, sock)
+    _serve(engine, server, model_path, keys, sock, adapters)
     if member is not None and engine.failure is not None:
         # A process of the cluster is gone, and a computation dispatched before that may wait on it
         # in a collective forever: the interpreter's teardown would wait with it. Tell the live
@@ -230,7 +243,31 @@ def _load_engine(server: ServerConfig, engine_config: EngineConfig, sampling: di
     return engine, model_path
 
 
-def _serve(engine, server: ServerConfig, model_path: str, keys: tuple[str, ...], sock: socket.socket) -> None:
+def _adapter_paths(flags: list[str]) -> dict[str, str]:
+    """--lora NAME=PATH flags, each name once."""
+    adapters = {}
+    for flag in flags:
+        name, _, path = flag.partition("=")
+        if not name or not path or name in adapters:
+            raise StartError(f"--lora {flag}: give NAME=PATH, each name once")
+        adapters[name] = path
+    return adapters
+
+
+def _load_adapters(engine, adapters: dict[str, str]) -> None:
+    from jinfer.formats.adapters import read_adapter
+
+    for name, path in adapters.items():
+        try:
+            engine.load_adapter(name, read_adapter(path, engine.model_config))
+        except (ValueError, OSError, RuntimeError) as e:
+            raise StartError(f"--lora {name}={path}: {e}") from None
+        log.info("adapter '%s' from %s", name, path)
+
+
+def _serve(
+    engine, server: ServerConfig, model_path: str, keys: tuple[str, ...], sock: socket.socket, adapters=None
+) -> None:
     """Serve HTTP on `sock` until SIGTERM or SIGINT (drained: `DrainingServer`)."""
     from .app import build_app
     from .fingerprint import system_fingerprint
@@ -238,6 +275,7 @@ def _serve(engine, server: ServerConfig, model_path: str, keys: tuple[str, ...],
     # Hashing the model's files takes a while for a large model: done during the warm-up.
     fingerprint = lambda: system_fingerprint(engine, model_path)
     app, api = build_app(engine, server, served_name(server, model_path), keys, fingerprint)
+    api.adapter_paths.update(adapters or {})
     config = uvicorn.Config(
         app,
         log_level=server.log_level,

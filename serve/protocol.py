@@ -160,6 +160,7 @@ class GenerationRequest:
     tool_choice: Any = None
     parallel_tool_calls: Any = True
     score_only: bool = False  # completions: echo with max_tokens 0, the prompt scored, nothing generated
+    adapter: str | None = None  # the loaded adapter its `model` names (the server resolves it), or None
 
     @property
     def choices(self) -> int:

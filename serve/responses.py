@@ -237,7 +237,8 @@ class ResponseWriter:
         the first token has none: nothing comes before it. Choice i's are [i // n]."""
         out = []
         for ids in prompt_ids:
-            scored = await asyncio.to_thread(self.engine.scorer, ids)
+            adapter = self.engine.adapters.resolve(req.adapter, None)[0]
+            scored = await asyncio.to_thread(self.engine.scorer, ids, adapter)
             entries = [{"token_id": ids[0], "logprob": None, "top": None}]
             for i, token in enumerate(ids[1:]):
                 top = zip(
@@ -264,7 +265,7 @@ class ResponseWriter:
             "id": new_id(req.kind),
             "object": "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": req.adapter or self.model_name,
             "choices": body_choices,
             "usage": usage([None] * len(prompt_ids), prompt_ids, 0),
             "system_fingerprint": self.fingerprint,
@@ -312,7 +313,7 @@ class ResponseWriter:
             "id": new_id(req.kind),
             "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": req.adapter or self.model_name,
             "choices": body_choices,
             "usage": usage([c["final"] for c in choices[:: req.n]], prompt_ids, completion_tokens),
             "system_fingerprint": self.fingerprint,
@@ -356,7 +357,9 @@ class ResponseWriter:
     async def sse(self, req, queue, submitted: Submission):
         """Server-Sent Events: one JSON chunk per `data:` line, keep-alives, `data: [DONE]` last."""
         token_bytes = lambda token: self.preparer.grammars.token_bytes(token)
-        writer = ChunkWriter(req, submitted.seed, self.model_name, self.fingerprint, token_bytes)
+        writer = ChunkWriter(
+            req, submitted.seed, req.adapter or self.model_name, self.fingerprint, token_bytes
+        )
         choices = [StreamedChoice(submitted.tool_use) for _ in range(req.choices)]
         prompt_ids = submitted.prompt_ids
         try:

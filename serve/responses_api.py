@@ -282,7 +282,7 @@ class ResponsesWriter:
             "incomplete_details": incomplete,
             "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"),
-            "model": self.model_name,
+            "model": req.adapter or self.model_name,
             "output": output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "temperature": req.sampling.temperature,

@@ -100,3 +100,31 @@ def test_batch_invariance_on_smollm2(smollm2_llm, sampling):
         prompts = [*neighbours[:slot], PROMPT, *neighbours[slot:]]
         samplings = [*neighbour_sampling[:slot], sampling, *neighbour_sampling[slot:]]
         assert smollm2_llm.generate(prompts, samplings)[slot].token_ids == alone.token_ids, slot
+
+
+def test_a_peft_adapter_scores_and_decodes_as_transformers_with_peft(smollm2_path, tmp_path):
+    """PEFT's LoRA over SmolLM2's float32 weights (the GGUF's, dequantized), in transformers and
+    in jinfer: the same log-probs and greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(smollm2_path)
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    reference = get_peft_model(base, config).eval()
+    reference.save_pretrained(tmp_path)
+    llm = jinfer.LLM(quantization="none", max_slots=2, max_seq_len=256, max_loras=1, max_lora_rank=8)
+    llm.load_adapter("peft", tmp_path)
+    ids = llm.tokenizer.encode(TEXTS[0] + " She loved to play in the sun.")
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(torch.tensor([ids])).logits.float(), dim=-1)[0].numpy()
+        greedy = reference.generate(torch.tensor([ids[:8]]), max_new_tokens=24, do_sample=False)[0, 8:]
+    want = np.take_along_axis(logp[:-1], np.array(ids[1:])[:, None], axis=-1)[:, 0]
+    (ours,) = llm.score([ids], adapter="peft")
+    (base_logp,) = llm.score([ids])
+    assert np.abs(base_logp - want).max() > 0.1, "the adapter changes nothing"
+    assert np.abs(ours - want).max() <= 1e-4 * np.ptp(logp)
+    out = llm.generate([ids[:8]], jinfer.SamplingParams(max_tokens=24, temperature=0), adapter="peft")[0]
+    assert out.token_ids == greedy.tolist()[: len(out.token_ids)] and len(out.token_ids) >= 16

@@ -25,6 +25,9 @@ defines; processes a server starts inherit the variable, so they find the same f
     gguf_config(metadata, tensor names, rope_freqs)    -> ModelConfig
     gguf_tensor(name, array, cfg)                      -> (its Hugging Face name, the array in
                                                           Hugging Face's layout), or None
+    adapter_targets(cfg)                               -> {target name: `AdapterTarget`}: the
+                                                          projections a low-rank adapter may
+                                                          change (`jinfer.lora`); None: none
 """
 
 from __future__ import annotations
@@ -35,11 +38,23 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jinfer.config import ModelConfig, UnsupportedModelError
 
 ENVIRONMENT = "JINFER_FAMILIES"
+
+
+class AdapterTarget(NamedTuple):
+    """One projection of a layer that a low-rank adapter may change (`jinfer.lora`): the layer's
+    weight holding it, and where its outputs lie among that weight's (a stacked weight holds
+    several projections' outputs side by side along one axis)."""
+
+    weight: str  # the layer's field ("wqkv")
+    out_shape: tuple[int, ...]  # this projection's output dims in the weight's layout ((k, g, h))
+    in_features: int  # its inputs, flattened as the weight's product reads them
+    part: tuple[int, int] | None  # (axis, offset) of its outputs within a stacked weight's; None: all
+    hf_module: str  # its module's name within a Hugging Face layer ("self_attn.q_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +68,7 @@ class Family:
     stacked: Mapping[str, tuple[tuple[str, ...], int]] = dataclasses.field(default_factory=dict)
     gguf_config: Callable | None = None  # None: no GGUF carries this family
     gguf_tensor: Callable | None = None
+    adapter_targets: Callable[[ModelConfig], Mapping[str, AdapterTarget]] | None = None
 
 
 _BY_HF: dict[str, Family] = {}

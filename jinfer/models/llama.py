@@ -54,7 +54,7 @@ from jinfer.models import llama_checkpoints, quantized
 from jinfer.models.attention import BACKENDS, Backend, TokenGroup, attention, full_precision
 from jinfer.models.family import Family, register
 from jinfer.models.linear import packed_product, project
-from jinfer.models.llama_params import LayerParams, Params, param_specs
+from jinfer.models.llama_params import LayerParams, Params, adapter_targets, param_specs
 from jinfer.models.params import (
     PackedWeight,
     abstract_params,
@@ -293,5 +293,6 @@ FAMILY = Family(
     stacked=llama_checkpoints.STACKED,
     gguf_config=llama_checkpoints.gguf_config,
     gguf_tensor=llama_checkpoints.gguf_tensor,
+    adapter_targets=adapter_targets,
 )
 register(FAMILY, llama_checkpoints.ARCHITECTURES, llama_checkpoints.ARCHITECTURES)

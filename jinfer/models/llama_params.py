@@ -1,5 +1,6 @@
 """The Llama family's parameter tree and its one declaration (`param_specs`), from which random
-init, abstract shapes, shardings and the loaders' shape checks derive (`models.params`).
+init, abstract shapes, shardings and the loaders' shape checks derive (`models.params`), and where
+a low-rank adapter's projections lie in it (`adapter_targets`, in Hugging Face's module names).
 
 Weights are stored output features first ([out..., in]), as Hugging Face stores them, with the
 projections that read the same input stacked (`wqkv`, `w_gate_up`): see `models.llama` for why.
@@ -11,6 +12,7 @@ import jax
 from flax import struct
 
 from jinfer.config import ModelConfig
+from jinfer.models.family import AdapterTarget
 from jinfer.models.params import ParamSpec
 
 
@@ -60,3 +62,19 @@ def param_specs(cfg: ModelConfig) -> Params:
         final_norm=norm(),
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((v, d), ("vocab", "embed"), "normal", 1),
     )
+
+
+def adapter_targets(cfg: ModelConfig) -> dict[str, AdapterTarget]:
+    """The projections an adapter may change: q, k, v (parts of `wqkv`, along its axis 1), o, gate
+    and up (parts of `w_gate_up`, along axis 0) and down."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    k, g, h = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+    return {
+        "q": AdapterTarget("wqkv", (k, g, h), d, (1, 0), "self_attn.q_proj"),
+        "k": AdapterTarget("wqkv", (k, 1, h), d, (1, g), "self_attn.k_proj"),
+        "v": AdapterTarget("wqkv", (k, 1, h), d, (1, g + 1), "self_attn.v_proj"),
+        "o": AdapterTarget("wo", (d,), cfg.num_heads * h, None, "self_attn.o_proj"),
+        "gate": AdapterTarget("w_gate_up", (1, f), d, (0, 0), "mlp.gate_proj"),
+        "up": AdapterTarget("w_gate_up", (1, f), d, (0, 1), "mlp.up_proj"),
+        "down": AdapterTarget("w_down", (d,), f, None, "mlp.down_proj"),
+    }

@@ -1,0 +1,248 @@
+"""Low-rank adapters (LoRA): their declaration, their pytree, and how a forward pass applies them.
+
+An adapter changes some of each layer's projections (its `LoraConfig.targets`, among the family's
+`adapter_targets`: q, k, v, o, gate, up, down for the Llama family) by a low-rank product, as
+PEFT's LoRA does: for inputs x, W x + scale * B (A x), A [rank, in], B [out, rank], scale
+alpha / rank (alpha / sqrt(rank) with rsLoRA). `Adapter` is that pytree (its arrays the leaves,
+its config static): what a trainer differentiates, what `jinfer.formats.adapters` reads from a
+PEFT directory and saves with orbax.
+
+A forward pass meets adapters as one more holding of a weight (`AdaptedWeight`, a `project`
+registration): the base weight as held (float, packed, quantized) and, per adapted projection,
+the A and B of a stack of adapters (`AdapterStack`: S adapters, each padded to R rows) with each
+column's slot in the stack (-1: none). Per column, its adapter's rows of A x are kept (scaled)
+and every other row zeroed, then B multiplies them: zeros add nothing, so a column's delta is the
+same bits whichever other adapters share the stack or the call (with products whose bits do not
+depend on the column count: jinfer's CPU kernels). A column without an adapter takes the base
+product's bits unchanged, and a call with no adapted column skips the deltas (`lax.cond`).
+
+    adapted(params, cfg, stack, slots) -> params whose targeted weights are `AdaptedWeight`s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jinfer.config import ModelConfig
+from jinfer.models.family import AdapterTarget, family_of
+from jinfer.models.linear import project
+from jinfer.options import setting
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """What an adapter is: its rank, its alpha and the projections it changes (names of the
+    family's `adapter_targets`)."""
+
+    rank: int = setting(8, "the adapter's rank")
+    alpha: float = setting(16.0, "its scale is alpha / rank")
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    rslora: bool = setting(False, "scale by alpha / sqrt(rank) instead (PEFT's use_rslora)")
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"an adapter's rank must be at least 1, got {self.rank}")
+        if not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"an adapter's targets must be distinct and not empty, got {self.targets}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+@struct.dataclass
+class LoraPair:
+    a: jax.Array  # [rank, in]
+    b: jax.Array  # [out, rank], out flattened in Hugging Face's order
+
+
+@struct.dataclass
+class Adapter:
+    """One adapter: per layer, a `LoraPair` per target."""
+
+    layers: tuple[dict[str, LoraPair], ...]
+    config: LoraConfig = struct.field(pytree_node=False)
+
+
+def targets_of(cfg: ModelConfig, names: Sequence[str]) -> dict[str, AdapterTarget]:
+    """The family's targets of these names (a clear error for a name it lacks)."""
+    family = family_of(cfg)
+    if family.adapter_targets is None:
+        raise ValueError(f"the {family.name} family declares no adapter targets")
+    available = family.adapter_targets(cfg)
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ValueError(f"adapter targets {unknown} are not among this model's: {sorted(available)}")
+    return {name: available[name] for name in names}
+
+
+def init_adapter(cfg: ModelConfig, config: LoraConfig, key: jax.Array) -> Adapter:
+    """A fresh adapter as PEFT makes one: A uniform in +-1/sqrt(in) (Kaiming's with a = sqrt(5)),
+    B zeros (so it starts as the base model)."""
+    targets = targets_of(cfg, config.targets)
+    keys = iter(jax.random.split(key, cfg.num_layers * len(targets)))
+    layers = []
+    for _ in range(cfg.num_layers):
+        layer = {}
+        for name, target in targets.items():
+            bound = 1 / math.sqrt(target.in_features)
+            a = jax.random.uniform(next(keys), (config.rank, target.in_features), jnp.float32, -bound, bound)
+            layer[name] = LoraPair(a, jnp.zeros((math.prod(target.out_shape), config.rank), jnp.float32))
+        layers.append(layer)
+    return Adapter(tuple(layers), config)
+
+
+def check_adapter(adapter: Adapter, cfg: ModelConfig) -> None:
+    """Raise ValueError unless every array of the adapter has the shape its config and the model
+    give it."""
+    targets = targets_of(cfg, adapter.config.targets)
+    if len(adapter.layers) != cfg.num_layers:
+        raise ValueError(f"the adapter has {len(adapter.layers)} layers; the model has {cfg.num_layers}")
+    rank = adapter.config.rank
+    for i, layer in enumerate(adapter.layers):
+        if set(layer) != set(targets):
+            raise ValueError(
+                f"layer {i} of the adapter holds {sorted(layer)}; its config names {sorted(targets)}"
+            )
+        for name, target in targets.items():
+            want = {"a": (rank, target.in_features), "b": (math.prod(target.out_shape), rank)}
+            for field, shape in want.items():
+                got = tuple(np.shape(getattr(layer[name], field)))
+                if got != shape:
+                    raise ValueError(f"layer {i} {name}.{field} has shape {got}; expected {shape}")
+
+
+@struct.dataclass
+class AdapterStack:
+    """S adapters side by side, each padded to `rank` rows: per layer and target, A [S * rank, in]
+    and B [out, S * rank] (zeros where an adapter has no such target or fewer rows, and in an empty
+    slot), and each slot's scale (0 for an empty slot)."""
+
+    layers: tuple[dict[str, LoraPair], ...]
+    scales: jax.Array  # [S] float32
+    rank: int = struct.field(pytree_node=False)
+    targets: tuple[str, ...] = struct.field(pytree_node=False)
+
+
+def stack(
+    adapters: Sequence[Adapter | None], cfg: ModelConfig, rank: int, targets: Sequence[str]
+) -> AdapterStack:
+    """`adapters` as a stack of len(adapters) slots (None: an empty one) of `rank` rows each, over
+    `targets` (each adapter's targets must be among them and its rank at most `rank`)."""
+    by_name = targets_of(cfg, targets)
+    for adapter in adapters:
+        if adapter is None:
+            continue
+        if adapter.config.rank > rank:
+            raise ValueError(f"an adapter of rank {adapter.config.rank} in a stack of rank {rank}")
+        if extra := set(adapter.config.targets) - set(by_name):
+            raise ValueError(f"the adapter changes {sorted(extra)}, which the stack does not hold")
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = {}
+        for name, target in by_name.items():
+            a_rows, b_columns = [], []
+            for adapter in adapters:
+                pair = None if adapter is None else adapter.layers[i].get(name)
+                a, b = _padded(pair, target, rank)
+                a_rows.append(a)
+                b_columns.append(b)
+            layer[name] = LoraPair(jnp.concatenate(a_rows, 0), jnp.concatenate(b_columns, 1))
+        layers.append(layer)
+    scales = [0.0 if adapter is None else adapter.config.scale for adapter in adapters]
+    return AdapterStack(tuple(layers), jnp.asarray(scales, jnp.float32), rank, tuple(targets))
+
+
+def _padded(pair: LoraPair | None, target: AdapterTarget, rank: int) -> tuple[jax.Array, jax.Array]:
+    if pair is None:
+        return jnp.zeros((rank, target.in_features)), jnp.zeros((math.prod(target.out_shape), rank))
+    extra = rank - pair.a.shape[0]
+    return jnp.pad(pair.a, ((0, extra), (0, 0))), jnp.pad(pair.b, ((0, 0), (0, extra)))
+
+
+def column_scales(stack: AdapterStack, slots: jax.Array) -> jax.Array:
+    """[S * rank, N]: for column n, its slot's scale on that slot's rows, 0 on every other row (and
+    on all rows for slot -1)."""
+    slot_of_row = jnp.arange(stack.scales.shape[0] * stack.rank) // stack.rank
+    scale = stack.scales[jnp.clip(slots, 0)]
+    return jnp.where(slot_of_row[:, None] == slots[None, :], scale[None, :], 0.0).astype(jnp.float32)
+
+
+@struct.dataclass
+class AdaptedWeight:
+    """A weight as held (`base`) with the stack's pairs for the projections it holds (`pairs`, in
+    `targets`' order) and the call's columns: `scales` [S * rank, N], `adapted` [N] bool (None:
+    every column, as in a trainer's forward)."""
+
+    base: Any
+    pairs: tuple[LoraPair, ...]
+    scales: jax.Array
+    adapted: jax.Array | None
+    targets: tuple[AdapterTarget, ...] = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+
+@project.register
+def _adapted_product(w: AdaptedWeight, x: jax.Array, input_dims: int = 1) -> jax.Array:
+    out = project(w.base, x, input_dims)
+
+    def with_deltas():
+        summed = out
+        for pair, target in zip(w.pairs, w.targets, strict=True):
+            kept = project(pair.a, x) * w.scales.astype(x.dtype)  # [S * rank, N]
+            delta = project(pair.b, kept).reshape(*target.out_shape, -1)
+            if target.part is None:
+                summed = summed + delta
+            else:
+                axis, offset = target.part
+                where = (slice(None),) * axis + (slice(offset, offset + target.out_shape[axis]),)
+                summed = summed.at[where].add(delta)
+        return summed if w.adapted is None else jnp.where(w.adapted, summed, out)
+
+    if w.adapted is None:
+        return with_deltas()
+    return jax.lax.cond(jnp.any(w.adapted), with_deltas, lambda: out)
+
+
+def adapted(params, cfg: ModelConfig, stack: AdapterStack, slots: jax.Array | None = None):
+    """`params` with each weight the stack changes as an `AdaptedWeight` for a call over columns of
+    these stack slots (`slots` [N], -1: no adapter; None: every column slot 0, no column left out,
+    as for one adapter in a trainer's forward)."""
+    if slots is None:
+        adapted_columns = None
+        scales = jnp.full((stack.rank, 1), stack.scales[0], jnp.float32)  # broadcasts over columns
+    else:
+        slots = jnp.asarray(slots, jnp.int32)
+        adapted_columns, scales = slots >= 0, column_scales(stack, slots)
+    by_name = targets_of(cfg, stack.targets)
+    layers = []
+    for layer, pairs in zip(params.layers, stack.layers, strict=True):
+        changed = {}
+        for weight in dict.fromkeys(target.weight for target in by_name.values()):
+            names = [name for name, target in by_name.items() if target.weight == weight]
+            changed[weight] = AdaptedWeight(
+                getattr(layer, weight),
+                tuple(pairs[name] for name in names),
+                scales,
+                adapted_columns,
+                tuple(by_name[name] for name in names),
+            )
+        layers.append(layer.replace(**changed))
+    return params.replace(layers=tuple(layers))
+
+
+def single(adapter: Adapter, cfg: ModelConfig) -> AdapterStack:
+    """One adapter as a stack of one slot (what `adapted(params, cfg, single(a, cfg))` applies to
+    every column)."""
+    return stack([adapter], cfg, adapter.config.rank, adapter.config.targets)

@@ -1,0 +1,173 @@
+"""Low-rank adapters (`jinfer.lora`): PEFT's adapters give transformers + peft's numbers, rows
+without an adapter keep their bits, each row's tokens are the same alone and in any crowd of
+adapters, and adapters load in memory with nothing compiled."""
+
+import numpy as np
+import pytest
+import torch
+from tiny import VOCAB
+
+import jinfer
+from jinfer import SamplingParams, lora
+from jinfer.formats.adapters import read_adapter, save_adapter
+from jinfer.formats.params import CheckpointError
+from jinfer.sampling import RequestError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_model(directory: str, adapter_dir: str, modules, rank: int, seed: int, **options):
+    """transformers' model of `directory` with a random PEFT LoRA (B not zero), saved to adapter_dir."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=modules, init_lora_weights=False, **options
+    )
+    model = get_peft_model(base, config).eval()
+    model.save_pretrained(adapter_dir)
+    return model
+
+
+def _ids(seed: int, length: int) -> list[int]:
+    return np.random.RandomState(seed).randint(0, VOCAB, length).tolist()
+
+
+@pytest.mark.parametrize(
+    "family, modules, rank, options",
+    [
+        ("llama_gqa_untied", ALL_MODULES, 4, {}),
+        ("qwen2_bias_tied", ["q_proj", "v_proj", "down_proj"], 6, {"use_rslora": True}),
+        ("qwen3_qknorm", ["k_proj", "o_proj", "gate_proj", "up_proj"], 2, {}),
+    ],
+)
+def test_peft_adapters_score_and_decode_as_transformers_with_peft(
+    family, modules, rank, options, tiny_model, tmp_path
+):
+    directory, _ = tiny_model(family)
+    reference = _peft_model(directory, str(tmp_path), modules, rank, seed=1, **options)
+    llm = jinfer.LLM(directory, max_seq_len=256, max_loras=2, max_lora_rank=8)
+    llm.load_adapter("tuned", tmp_path)
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        logits = reference(torch.tensor([ids])).logits[0]
+        want = torch.log_softmax(logits, -1).numpy()[np.arange(39), ids[1:]]
+    with reference.disable_adapter(), torch.no_grad():
+        base_logp = torch.log_softmax(reference(torch.tensor([ids])).logits[0], -1).numpy()
+    assert np.abs(base_logp[np.arange(39), ids[1:]] - want).max() > 1e-2, "the adapter changes nothing"
+    assert np.abs(llm.score([ids], adapter="tuned")[0] - want).max() <= 1e-4
+    with torch.no_grad():
+        greedy = reference.generate(torch.tensor([ids[:10]]), max_new_tokens=12, do_sample=False)
+    assert llm.generate([ids[:10]], GREEDY, adapter="tuned")[0].token_ids == greedy[0, 10:].tolist()
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_model, tmp_path_factory):
+    """An engine holding two PEFT adapters of the tiny llama, and one holding none."""
+    directory, _ = tiny_model("llama_gqa_untied")
+    paths = [tmp_path_factory.mktemp(f"adapter{i}") for i in range(2)]
+    for i, path in enumerate(paths):
+        _peft_model(directory, str(path), ALL_MODULES[i:], rank=4 + 4 * i, seed=10 + i)
+    llm = jinfer.LLM(directory, max_seq_len=256, max_slots=8, max_loras=4, max_lora_rank=8)
+    for name, path in zip(("one", "two"), paths, strict=True):
+        llm.load_adapter(name, path)
+    plain = jinfer.LLM(directory, max_seq_len=256, max_slots=8)
+    return llm, plain, paths
+
+
+def _outputs(completions):
+    return [(c.token_ids, [t["logprob"] for t in c.logprobs]) for c in completions]
+
+
+def test_rows_without_an_adapter_keep_their_bits_and_each_row_its_own_in_a_crowd(adapted):
+    llm, plain, _ = adapted
+    prompts = [_ids(20 + i, 5 + 9 * i) for i in range(6)]
+    names = ["one", None, "two", "one", None, "two"]
+    alone = [_outputs(llm.generate([p], GREEDY, adapter=n))[0] for p, n in zip(prompts, names, strict=True)]
+    crowd = _outputs(llm.generate(prompts, GREEDY, adapter=names))
+    assert crowd == alone
+    base = _outputs(plain.generate([p for p, n in zip(prompts, names, strict=True) if n is None], GREEDY))
+    assert [alone[1], alone[4]] == base  # bit for bit the engine without adapters
+    assert alone[0] != _outputs(plain.generate([prompts[0]], GREEDY))[0]
+    assert alone[0] != _outputs(llm.generate([prompts[0]], GREEDY, adapter="two"))[0]
+
+
+def test_an_adapter_from_memory_loads_with_no_compile_and_swaps_per_request(adapted, tiny_model):
+    llm, _, paths = adapted
+    cfg = llm.engine.model_config
+    prompt = _ids(40, 12)
+    llm.generate([prompt], GREEDY, adapter="one")  # every program warm
+    compiles = llm.engine.compile_count()
+    first = read_adapter(str(paths[0]), cfg)
+    doubled = jax_tree_scaled(first, 2.0)
+    llm.load_adapter("fresh", doubled)
+    fresh = _outputs(llm.generate([prompt], GREEDY, adapter="fresh"))
+    assert fresh != _outputs(llm.generate([prompt], GREEDY, adapter="one"))
+    # A request running on "fresh" when the name is given another adapter finishes on its own.
+    engine = llm.engine
+    results = {}
+    prepared = llm.preparer.prepare(prompt, sampling=GREEDY, adapter="fresh")
+    engine.submit(prepared, lambda out: results.setdefault("tokens", []).extend(out.token_ids))
+    engine.step()
+    llm.load_adapter("fresh", first)  # the running request holds its slot: another slot takes it
+    while "tokens" not in results or len(results["tokens"]) < GREEDY.max_tokens:
+        engine.step()
+    assert results["tokens"] == fresh[0][0]
+    assert _outputs(llm.generate([prompt], GREEDY, adapter="fresh")) == _outputs(
+        llm.generate([prompt], GREEDY, adapter="one")
+    )
+    llm.unload_adapter("fresh")
+    with pytest.raises(RequestError, match="no adapter named 'fresh'"):
+        llm.generate([prompt], GREEDY, adapter="fresh")
+    assert llm.engine.compile_count() == compiles
+
+
+def jax_tree_scaled(adapter: lora.Adapter, factor: float) -> lora.Adapter:
+    layers = [{k: lora.LoraPair(p.a, p.b * factor) for k, p in layer.items()} for layer in adapter.layers]
+    return lora.Adapter(tuple(layers), adapter.config)
+
+
+def test_no_prefix_page_crosses_adapters(adapted):
+    llm, _, _ = adapted
+    prompt = _ids(50, 200)  # three full pages of 64
+    kv = llm.engine.kv
+    llm.generate([prompt], GREEDY, adapter="one")
+    hits = kv.hits
+    base = llm.generate([prompt], GREEDY)
+    assert kv.hits == hits, "the base model found pages the adapter computed"
+    llm.generate([prompt], GREEDY, adapter="two")
+    assert kv.hits == hits
+    again = llm.generate([prompt], GREEDY, adapter="one")
+    assert kv.hits > hits  # its own pages are found
+    assert _outputs(again) == _outputs(llm.generate([prompt], GREEDY, adapter="one"))
+    assert _outputs(base) != _outputs(again)
+
+
+def test_adapters_save_restore_and_refusals(adapted, tmp_path):
+    llm, plain, paths = adapted
+    cfg = llm.engine.model_config
+    adapter = read_adapter(str(paths[1]), cfg)
+    save_adapter(str(tmp_path / "mine"), adapter, cfg)
+    restored = read_adapter(str(tmp_path / "mine"), cfg)
+    assert restored.config == adapter.config
+    for got, want in zip(restored.layers, adapter.layers, strict=True):
+        for name in want:
+            assert np.array_equal(got[name].a, want[name].a) and np.array_equal(got[name].b, want[name].b)
+    with pytest.raises(ValueError, match="max_loras"):
+        plain.load_adapter("x", adapter)
+    wide = lora.init_adapter(cfg, lora.LoraConfig(rank=16), jax_key())
+    with pytest.raises(ValueError, match="max_lora_rank is 8"):
+        llm.load_adapter("wide", wide)
+    with pytest.raises(CheckpointError, match="neither a PEFT adapter"):
+        llm.load_adapter("nothing", tmp_path)
+    with pytest.raises(RequestError, match="no adapter named 'missing'"):
+        llm.score([[1, 2, 3]], adapter="missing")
+
+
+def jax_key():
+    import jax
+
+    return jax.random.key(0)
