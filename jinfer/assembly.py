@@ -26,7 +26,7 @@ from jinfer.kv_cache import bytes_per_token
 from jinfer.layout import Layout, available_memory_bytes, param_bytes, resolve_layout
 from jinfer.loading import LoadedModel, engine_weights
 from jinfer.models import quantized
-from jinfer.models.params import pack_weights, unpacked
+from jinfer.models.params import pack_weights
 from jinfer.paging import KVPages
 from jinfer.prepare import RequestPreparer
 from jinfer.scheduler import Scheduler
@@ -93,7 +93,7 @@ def assemble(
         dtype=dtype,
         layout=layout,
         steps=steps,
-        device=Device(steps, carried, dtype, kv.tables.copy(), unpacked(params)),
+        device=Device(steps, carried, dtype, kv.tables.copy()),
         kv=kv,
         scheduler=_scheduler(loaded, layout, kv),
         preparer=RequestPreparer(

@@ -35,7 +35,6 @@ import numpy as np
 from jinfer.compile_cache import bypassed, compile_fresh, count_kept
 from jinfer.config import PROMPT_PIECE
 from jinfer.inputs import DispatchOutput, Program, RowInputs, neutral_inputs
-from jinfer.models.params import unpacked
 from jinfer.program_store import ProgramStore
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.scoring import score_program
@@ -50,12 +49,15 @@ VERBS = ("dispatch", "history", "clear_pages", "set_tables", "reset", "score")
 class Device:
     """The device values of one engine and the verbs over them (see the module docstring)."""
 
-    def __init__(self, steps: Steps, weights: Weights, dtype, tables: np.ndarray, score_params):
+    def __init__(self, steps: Steps, weights: Weights, dtype, tables: np.ndarray):
         self.steps, self.weights, self.dtype = steps, weights, dtype
         self.publish: Callable[[str, tuple], None] | None = None  # the leader's, on several processes
         self._lock = threading.Lock()
-        self._score = jax.jit(partial(score_program, cfg=steps.model, vocab=steps.vocab_size))
-        self._score_params = score_params
+        layout = steps.layout
+        scoring = {"page_size": layout.page_size, "attention_kernel": layout.attention_kernel}
+        self._score = jax.jit(
+            partial(score_program, cfg=steps.model, vocab=steps.vocab_size, cache_dtype=dtype, **scoring)
+        )
         self.weights_dropped = False  # by a level-2 sleep, until set_target
         self.cache = steps.new_cache(dtype)
         self.state = steps.new_state()
@@ -137,7 +139,6 @@ class Device:
         from the next call on."""
         with self._lock:
             self.weights = self.weights.replace(target=target)
-            self._score_params = unpacked(target)
             self.weights_dropped = False
 
     def sleep(self, drop_weights: bool) -> None:
@@ -148,7 +149,7 @@ class Device:
             if drop_weights:
                 abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                 self.weights = self.weights.replace(target=jax.tree.map(abstract, self.weights.target))
-                self._score_params, self.weights_dropped = None, True
+                self.weights_dropped = True
 
     def wake_up(self) -> None:
         """A fresh KV cache and slot state (the programs take them as before)."""
@@ -168,7 +169,7 @@ class Device:
         if self.weights_dropped:
             raise RuntimeError("the weights were dropped (sleep level 2): wake_up or update_weights first")
         stack = None if adapter < 0 else self.weights.adapters
-        run = lambda: self._score(self._score_params, tokens, stack, np.int32(adapter))
+        run = lambda: self._score(self.weights.target, tokens, stack, np.int32(adapter))
         return self._call("score", (tokens, adapter), run)
 
     # ---------------------------------------------------------------------------- warm-up

@@ -16,16 +16,35 @@ def llm(tiny_model):
     return jinfer.LLM(tiny_model("llama_gqa_untied")[0], max_seq_len=128)
 
 
+def _sampled_logprobs(out) -> np.ndarray:
+    return np.array([entry["logprob"] for entry in out.logprobs], np.float32)
+
+
 def test_logprobs_equal_score_of_the_generated_sequence(llm):
     (out,) = llm.generate(
         [PROMPT], jinfer.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
     )
     (scores,) = llm.score([PROMPT + out.token_ids])
-    reported = np.array([entry["logprob"] for entry in out.logprobs])
-    np.testing.assert_allclose(reported, scores[len(PROMPT) - 1 :], atol=1e-5)
+    assert np.array_equal(_sampled_logprobs(out), scores[len(PROMPT) - 1 :])
     for entry in out.logprobs:
         assert len(entry["top"]) == 3
-        assert max(entry["top"].values()) == pytest.approx(entry["logprob"])  # greedy picks the top one
+        assert max(entry["top"].values()) == entry["logprob"]  # greedy picks the top one
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.8, "seed": 3}])
+def test_raw_logprobs_of_sampled_tokens_are_their_scores_bit_for_bit_alone_and_in_a_crowd(llm, sampling):
+    """What a trainer recomputes (`score`) is what the sampler reported: through the engine's
+    attention kernel both are the same prefill and decode arithmetic."""
+    assert llm.engine.layout.attention_kernel == "cpu"
+    params = jinfer.SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1, **sampling)
+    prompts = [PROMPT, list(range(3, 70)), [7] * 12, PROMPT[:2]]
+    (alone,) = llm.generate([prompts[1]], params)
+    crowd = llm.generate(prompts, params)
+    assert crowd[1].token_ids == alone.token_ids
+    assert np.array_equal(_sampled_logprobs(crowd[1]), _sampled_logprobs(alone))
+    for prompt, out in zip(prompts, crowd, strict=True):
+        (scores,) = llm.score([prompt + out.token_ids])
+        assert np.array_equal(_sampled_logprobs(out), scores[len(prompt) - 1 :])
 
 
 def test_seeded_sampling_is_reproducible(llm):

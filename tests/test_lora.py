@@ -95,6 +95,19 @@ def test_rows_without_an_adapter_keep_their_bits_and_each_row_its_own_in_a_crowd
     assert alone[0] != _outputs(llm.generate([prompts[0]], GREEDY, adapter="two"))[0]
 
 
+def test_sampled_log_probs_are_the_adapters_scores_bit_for_bit_in_a_crowd(adapted):
+    llm = adapted[0]
+    assert llm.engine.layout.attention_kernel == "cpu"
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=12, logprobs=0)
+    prompts = [_ids(50 + i, 4 + 7 * i) for i in range(4)]
+    names = ["one", "two", None, "one"]
+    for params in (GREEDY, seeded):
+        for prompt, name, out in zip(prompts, names, llm.generate(prompts, params, adapter=names), strict=True):
+            (scores,) = llm.score([prompt + out.token_ids], adapter=name)
+            sampled = np.array([entry["logprob"] for entry in out.logprobs], np.float32)
+            assert np.array_equal(sampled, scores[len(prompt) - 1 :])
+
+
 def test_an_adapter_from_memory_loads_with_no_compile_and_swaps_per_request(adapted, tiny_model):
     llm, _, paths = adapted
     cfg = llm.engine.model_config
