@@ -41,18 +41,23 @@ class AdapterSlots:
         self.names: dict[str, int] = {}
 
     def stack(self) -> lora.AdapterStack | None:
-        """The held adapters as the steps read them (packed for jinfer's CPU kernel where the
-        engine packs its weights), placed; None without slots."""
-        if not self.held:
-            return None
-        stack = lora.stack(self.held, self.cfg, self.rank, self.targets)
-        if self.packed:
-            pack = lambda w: PackedWeight(w, cpu_matmul.pack(w))
-            layers = [
-                {k: lora.LoraPair(pack(p.a), pack(p.b)) for k, p in layer.items()} for layer in stack.layers
-            ]
-            stack = stack.replace(layers=tuple(layers))
-        return self.place(stack)
+        """The held adapters as the steps read them, placed; None without slots."""
+        return self.place(self.arranged(self.held)) if self.held else None
+
+    def arranged(self, adapters: list[lora.Adapter | None]) -> lora.AdapterStack:
+        """`adapters` (one per slot, None for an empty one) as a stack of this engine's slots,
+        rank and targets, packed for jinfer's CPU kernel where the engine packs its weights (jax
+        operations only: a traced adapter gives a traced stack)."""
+        stack = lora.stack(
+            adapters + [None] * (len(self.held) - len(adapters)), self.cfg, self.rank, self.targets
+        )
+        if not self.packed:
+            return stack
+        pack = lambda w: PackedWeight(w, cpu_matmul.pack(w))
+        layers = [
+            {k: lora.LoraPair(pack(p.a), pack(p.b)) for k, p in layer.items()} for layer in stack.layers
+        ]
+        return stack.replace(layers=tuple(layers))
 
     def load(self, name: str, adapter: lora.Adapter, busy: set[int]) -> int:
         """Hold `adapter` under `name` in a slot none of `busy` (slots requests hold) is; its slot."""

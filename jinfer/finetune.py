@@ -168,13 +168,18 @@ def padded(examples: Sequence[Example], rows: int):
 
 
 # ---------------------------------------------------------------------------------- steps
-def token_losses(params, tokens, mask, *, cfg: ModelConfig, vocab: int):
-    """(summed negative log-likelihood of the trained tokens, how many there are) of a batch."""
+def token_logprobs(params, tokens, *, cfg: ModelConfig, vocab: int):
+    """log p(tokens[:, i+1] | tokens[:, :i+1]) [B, T-1]: the family's forward without a cache."""
     family = family_of(cfg)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     (hidden,), _ = family.forward_groups(params, (TokenGroup(tokens, positions),), cfg)
     logp = jax.nn.log_softmax(family.logits(params, hidden[:, :-1])[..., :vocab], axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def token_losses(params, tokens, mask, *, cfg: ModelConfig, vocab: int):
+    """(summed negative log-likelihood of the trained tokens, how many there are) of a batch."""
+    nll = -token_logprobs(params, tokens, cfg=cfg, vocab=vocab)
     weights = mask[:, 1:]
     return (nll * weights).sum(), weights.sum()
 
