@@ -1,6 +1,7 @@
 """Fine-tuning through the engine's forward (`jinfer.finetune`): only answer tokens are trained,
 the loss falls, the trained adapter is served at once, and a killed run resumes to the same bits."""
 
+import contextlib
 import json
 import os
 import signal
@@ -100,9 +101,27 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_adapter_bits(tiny_m
     assert not all(np.all(np.asarray(p.b) == 0) for layer in ours.layers for p in layer.values())
 
 
-def test_training_in_memory_serves_each_round_with_no_compile(tiny_model):
+def _written_since(moment: float, scratch: str) -> list[str]:
+    """Files modified since `moment` where this process writes: jinfer's and JAX's caches, the
+    working directory and `scratch` (pytest's temporary folder)."""
+    from jinfer.kernels import cache_dir
+
+    roots = {str(cache_dir()), os.getcwd(), scratch}
+    roots |= {jax.config.jax_compilation_cache_dir} - {None, ""}
+    written = []
+    for root in roots:
+        for folder, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(folder, name)
+                with contextlib.suppress(OSError):  # a file another process removed meanwhile
+                    if os.stat(path).st_mtime >= moment:
+                        written.append(path)
+    return written
+
+
+def test_training_in_memory_serves_each_round_with_no_compile(tiny_model, tmp_path_factory):
     """A loop alternating train steps and generation with the fresh adapter, loaded from memory:
-    nothing compiles after the first round."""
+    nothing compiles and nothing is written to disk after the first round."""
     directory, _ = tiny_model("smollm2_like")
     loaded = load_hf(directory)
     cfg, tokenizer = loaded.config, loaded.tokenizer
@@ -114,6 +133,9 @@ def test_training_in_memory_serves_each_round_with_no_compile(tiny_model):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "ping"}], tokenize=True)
     answers, compiles = [], []
     for round in range(4):
+        if round == 1:
+            after_first = time.time()
+            time.sleep(0.01)  # past the file system's timestamp resolution
         trainer.run(examples, until=10 * (round + 1))
         llm.load_adapter("live", trainer.trainable)
         answers.append(llm.generate([prompt], GREEDY, adapter="live")[0].text)
@@ -122,6 +144,7 @@ def test_training_in_memory_serves_each_round_with_no_compile(tiny_model):
     assert losses[-1] < 0.5 * losses[0]
     assert "pong pong pong" in answers[-1]
     assert len(set(compiles)) == 1, compiles
+    assert _written_since(after_first, str(tmp_path_factory.getbasetemp())) == []
 
 
 def test_full_fine_tuning_takes_the_same_step_and_is_served_at_once(tiny_model):

@@ -102,7 +102,9 @@ def test_sampled_log_probs_are_the_adapters_scores_bit_for_bit_in_a_crowd(adapte
     prompts = [_ids(50 + i, 4 + 7 * i) for i in range(4)]
     names = ["one", "two", None, "one"]
     for params in (GREEDY, seeded):
-        for prompt, name, out in zip(prompts, names, llm.generate(prompts, params, adapter=names), strict=True):
+        for prompt, name, out in zip(
+            prompts, names, llm.generate(prompts, params, adapter=names), strict=True
+        ):
             (scores,) = llm.score([prompt + out.token_ids], adapter=name)
             sampled = np.array([entry["logprob"] for entry in out.logprobs], np.float32)
             assert np.array_equal(sampled, scores[len(prompt) - 1 :])
