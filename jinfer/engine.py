@@ -93,6 +93,7 @@ class Engine:
         self._tables_version = self.kv.version  # of the device's block tables
         self.weights_version = 0  # how many times update_weights replaced the loaded weights
         self.asleep = 0  # the level of the sleep it is in (`jinfer.residency`); 0: awake
+        self.paused: str | None = None  # the mode of the pause it is in (`jinfer.residency`)
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, self.layout.max_seq_len)
         self._pending: list[Pending] = []  # dispatched, not yet read
@@ -115,6 +116,7 @@ class Engine:
 
     # What the device holds between requests (`jinfer.residency`).
     update_weights, sleep, wake_up = residency.update_weights, residency.sleep, residency.wake_up
+    pause, resume = residency.pause, residency.resume
     load_adapter, unload_adapter = adapter_slots.load_adapter, adapter_slots.unload_adapter
 
     def warmup(self) -> float:
@@ -185,6 +187,8 @@ class Engine:
         sampling = prepared.sampling
         drafting = self.speculation is not None and may_draft(sampling, prepared.grammar is not None)
         adapter, salt = self.adapters.resolve(prepared.adapter, prepared.cache_salt)
+        if self.weights_version:  # a request kept through an update leaves pages of the old weights
+            salt = f"{salt or ''}\x00weights {self.weights_version}"
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_ids=prepared.prompt_ids,

@@ -134,6 +134,17 @@ class LLM:
         memory already: level 1 frees the cache alone."""
         self.engine.sleep(level)
 
+    def pause(self, mode: str = "finish") -> None:
+        """For a caller that generates from other threads: admit no request until `resume` (new
+        ones wait), and return once those in flight have finished ("finish"), ended with
+        finish_reason "abort" ("abort"), or are held in their slots with their KV ("keep"; they go
+        on after `resume`, with the weights an `update_weights` in between brought). Generating
+        on this thread while paused raises."""
+        self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
     def wake_up(self) -> None:
         """Serve again, with no recompile. After a level-2 sleep the weights come back from the
         model's file, unless `update_weights` brought others while asleep."""
@@ -216,6 +227,8 @@ class LLM:
         """Run prepared requests (`llm.preparer.prepare`) through the engine; yield (index,
         Completion) as each finishes, admitting more as the bounded queue frees up."""
         engine = self.engine
+        if engine.paused:
+            raise RuntimeError(f"the engine is paused ({engine.paused}): resume() first")
         pending = []
         for index, prepared in enumerate(items):
             collector = _Collector(index, prepared.sampling.logprobs is not None)

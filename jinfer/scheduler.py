@@ -102,6 +102,8 @@ class Scheduler:
         self.by_id: dict[str, Request] = {}
         self.admissions = 0
         self.preemptions = 0
+        # A pause (`jinfer.residency.pause`): no admission; holding, no running request steps either.
+        self.admitting, self.holding = True, False
         self._events: list[Event] = []  # made since the last plan / commit / fail returned them
         self._poisoned: list[int] = []
 
@@ -124,7 +126,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots)
+        """Whether a plan would do anything: requests to admit (unless admission is paused), or
+        running (unless they are held where they are)."""
+        admissions = self.admitting and bool(self.waiting)
+        return admissions or (not self.holding and any(r is not None for r in self.slots))
 
     @property
     def queue_has_room(self) -> bool:
@@ -146,6 +151,8 @@ class Scheduler:
         for request in self.slots:
             if request is not None and request.cancelled and not request.finished:
                 self._finish(request, "abort")
+        if self.holding:
+            return self._in_flight(Plan([], [None] * len(self.slots)))
         self._grow_running()
 
         decoding = sum(r.dispatch_tokens(self.decode_steps) for r in self._decode_owners() if r is not None)
@@ -226,7 +233,7 @@ class Scheduler:
     def _admit(self) -> Request | None:
         """The first waiting request, in the lowest free slot, if the pool holds its prefill and
         first decode steps (beside the reserve); None otherwise (it keeps its turn)."""
-        if not self.waiting or None not in self.slots:
+        if not self.admitting or not self.waiting or None not in self.slots:
             return None
         request = self.waiting[0]
         if request.in_flight:  # preempted with tokens in flight: resumes once they are committed

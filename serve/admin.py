@@ -1,8 +1,9 @@
 """The endpoints that change what the engine holds between requests (`jinfer.residency`,
 `jinfer.adapter_slots`), for research loops and servers that lend their memory: POST
-/v1/update_weights, /sleep, /wake_up, /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
-names and bodies). Only on a server started with an API key (a 403 otherwise: they would let
-anyone swap the model); a 409 while requests run (weights) or hold every adapter slot."""
+/v1/update_weights, /sleep, /wake_up, /pause, /resume, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (vLLM's names and bodies). Only on a server started with an API key (a
+403 otherwise: they would let anyone swap the model); a 409 while requests run (weights) or hold
+every adapter slot."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from starlette.routing import Route
 from jinfer.adapter_slots import NoFreeSlot
 from jinfer.formats.adapters import read_adapter
 from jinfer.loading import CheckpointError, load_model, placement_for
+from jinfer.residency import PAUSE_MODES
 
 from .protocol import APIError
 
@@ -43,6 +45,24 @@ class Admin:
         """Serve again, with no recompile (after level 2 once POST /v1/update_weights brought weights)."""
         self._check_admin()
         await self._residency(self.api.engine.wake_up)
+        return JSONResponse({"status": "ready"})
+
+    async def pause(self, request: Request) -> Response:
+        """`{"mode": "finish" | "abort" | "keep"}` ("finish" if no body): no request is admitted
+        until POST /resume (new ones wait in the queue); answered once the requests in flight have
+        finished, were aborted, or are held with their KV (`jinfer.residency.pause`)."""
+        self._check_admin()
+        body = await self.api._body(request) if int(request.headers.get("content-length") or 0) else {}
+        mode = body.get("mode", "finish")
+        if set(body) - {"mode"} or mode not in PAUSE_MODES:
+            raise APIError(400, 'the body must be {"mode": "finish", "abort" or "keep"}', param="mode")
+        await self._residency(self.api.engine.pause, mode)
+        return JSONResponse({"status": "paused", "mode": mode})
+
+    async def resume(self, request: Request) -> Response:
+        """Admit requests again; held ones go on."""
+        self._check_admin()
+        await self._residency(self.api.engine.resume)
         return JSONResponse({"status": "ready"})
 
     def _check_admin(self) -> None:
@@ -129,6 +149,8 @@ def admin_routes(api) -> list[Route]:
         Route("/v1/update_weights", admin.update_weights, methods=["POST"]),
         Route("/sleep", admin.sleep, methods=["POST"]),
         Route("/wake_up", admin.wake_up, methods=["POST"]),
+        Route("/pause", admin.pause, methods=["POST"]),
+        Route("/resume", admin.resume, methods=["POST"]),
         Route("/v1/load_lora_adapter", admin.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", admin.unload_lora_adapter, methods=["POST"]),
     ]

@@ -261,6 +261,8 @@ class JinferAPI:
         body = {"status": "ok"} | ({"processes": member.status(compiles)} if member else {})
         if self.engine.failure is not None:
             return JSONResponse(body | {"status": "unavailable", "error": self.engine.failure}, 503)
+        if self.engine.paused:  # requests are taken and wait for POST /resume
+            body |= {"status": "paused", "mode": self.engine.paused}
         return JSONResponse(
             body | ({"status": "sleeping", "level": self.engine.asleep} if self.engine.asleep else {})
         )
