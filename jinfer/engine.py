@@ -207,6 +207,7 @@ class Engine:
             drafts=DraftRecord(drafting=drafting),
             processor_inputs=processor_inputs(self.steps.processors, prepared),
             adapter=adapter,
+            weights_version=self.weights_version,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:

@@ -125,7 +125,7 @@ class LLM:
         `self.params` gives them (the same tree, shapes and dtypes; e.g. a trainer's update of
         them), swapped in memory with no recompile and no disk. Call it between generate calls
         (RuntimeError while requests run); the prefix cache is emptied. Returns the weights version
-        that every Completion from now on reports in `metrics["weights_version"]` (0: as loaded)."""
+        that every request started from now on reports in `metrics["weights_version"]` (0: as loaded)."""
         return self.engine.update_weights(params)
 
     def sleep(self, level: int = 1) -> None:
@@ -246,7 +246,6 @@ class LLM:
                 if collector.final is not None:
                     completion = collector.completion(request.prompt_ids)
                     completion.metrics["dropped_messages"] = prepared.dropped_messages
-                    completion.metrics["weights_version"] = engine.weights_version
                     text, calls, reason = finish_output(
                         prepared.tools, completion.text, completion.finish_reason
                     )

@@ -76,6 +76,7 @@ class Request:
     drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)
     processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # `inputs.processor_inputs`
     adapter: int = -1  # its slot in the engine's adapter stack (`jinfer.adapter_slots`), -1: none
+    weights_version: int = 0  # of the weights it started on (`Engine.update_weights`)
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
@@ -135,6 +136,7 @@ class Request:
             "draft_tokens": self.drafts.drafted,
             "accepted_tokens": self.drafts.accepted,
             "verify_steps": self.drafts.verify_steps,
+            "weights_version": self.weights_version,
         }
 
 

@@ -100,11 +100,12 @@ def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int) -> 
 
 
 def timings(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
-    """jinfer's extra per-request timings (not part of OpenAI's schema)."""
+    """jinfer's extra per-request timings (not part of OpenAI's schema), and the version of the
+    weights the request started on."""
     if not metrics:
         return None
     names = ("queue_s", "ttft_s", "total_s", "decode_tokens_per_s", "draft_tokens", "accepted_tokens")
-    return {k: metrics.get(k) for k in (*names, "verify_steps")}
+    return {k: metrics.get(k) for k in (*names, "verify_steps", "weights_version")}
 
 
 # SSE splits lines only at CR and LF, but clients that split with str.splitlines (httpx's

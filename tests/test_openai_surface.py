@@ -184,8 +184,9 @@ def test_update_weights_over_http_swaps_the_weights_a_request_runs_on(servers, c
     reply = post({"path": other})
     assert reply.status_code == 200 and reply.json()["weights_version"] == version + 1
     assert client.models.retrieve("tiny").model_extra["weights_version"] == version + 1
-    after = client.completions.create(**ask).choices[0].text
-    assert after != before
+    answer = client.completions.create(**ask)
+    after = answer.choices[0].text
+    assert after != before and answer.model_extra["jinfer"]["timings"][0]["weights_version"] == version + 1
     another_model = tiny_model("llama3_rope_tied")[0]  # tied embeddings: another tree
     for bad in ({"path": str(tmp_path / "nothing")}, {"path": another_model}, {"model": "tiny"}):
         reply = post(bad)
