@@ -95,6 +95,26 @@ def test_rows_without_an_adapter_keep_their_bits_and_each_row_its_own_in_a_crowd
     assert alone[0] != _outputs(llm.generate([prompts[0]], GREEDY, adapter="two"))[0]
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_adapters_over_int8_weights_keep_each_row_its_own(adapted, tiny_model, activations):
+    """Over quantized base weights (int8 blocks, multiplied in float32 or in int8), a row's adapter
+    changes its tokens, rows without one are the quantized engine's bit for bit, and a crowd of
+    adapters gives each row what it gets alone."""
+    directory, _ = tiny_model("llama_gqa_untied")
+    options = {"max_seq_len": 256, "max_slots": 8, "quantization": "int8"}
+    options["quantized_activations"] = activations
+    llm = jinfer.LLM(directory, **options, max_loras=2, max_lora_rank=8)
+    for name, path in zip(("one", "two"), adapted[2], strict=True):
+        llm.load_adapter(name, path)
+    plain = jinfer.LLM(directory, **options)
+    prompts = [_ids(60 + i, 6 + 5 * i) for i in range(4)]
+    names = ["one", None, "two", None]
+    alone = [_outputs(llm.generate([p], GREEDY, adapter=n))[0] for p, n in zip(prompts, names, strict=True)]
+    assert _outputs(llm.generate(prompts, GREEDY, adapter=names)) == alone
+    assert [alone[1], alone[3]] == _outputs(plain.generate([prompts[1], prompts[3]], GREEDY))
+    assert alone[0] != _outputs(plain.generate([prompts[0]], GREEDY))[0]
+
+
 def test_sampled_log_probs_are_the_adapters_scores_bit_for_bit_in_a_crowd(adapted):
     llm = adapted[0]
     assert llm.engine.layout.attention_kernel == "cpu"
