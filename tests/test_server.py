@@ -5,6 +5,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,9 +23,18 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a process started later to listen on: below the ephemeral range, which
+    outgoing connections (a cluster's processes connecting to each other) take from meanwhile."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for port in random.sample(range(10000, ephemeral), 200):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @contextlib.contextmanager
