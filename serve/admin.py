@@ -34,7 +34,7 @@ class Admin:
         """`{"level": 1 | 2}` (1 if no body): the engine's sleep (`jinfer.residency`); generation is a 503
         until POST /wake_up."""
         self._check_admin()
-        body = await self.api._body(request) if int(request.headers.get("content-length") or 0) else {}
+        body = await self._optional_body(request)
         level = body.get("level", 1)
         if set(body) - {"level"} or level not in (1, 2) or isinstance(level, bool):
             raise APIError(400, 'the body must be {"level": 1 or 2}', param="level")
@@ -52,7 +52,7 @@ class Admin:
         until POST /resume (new ones wait in the queue); answered once the requests in flight have
         finished, were aborted, or are held with their KV (`jinfer.residency.pause`)."""
         self._check_admin()
-        body = await self.api._body(request) if int(request.headers.get("content-length") or 0) else {}
+        body = await self._optional_body(request)
         mode = body.get("mode", "finish")
         if set(body) - {"mode"} or mode not in PAUSE_MODES:
             raise APIError(400, 'the body must be {"mode": "finish", "abort" or "keep"}', param="mode")
@@ -64,6 +64,10 @@ class Admin:
         self._check_admin()
         await self._residency(self.api.engine.resume)
         return JSONResponse({"status": "ready"})
+
+    async def _optional_body(self, request: Request) -> dict:
+        """The JSON body, or {} for a request without one (these endpoints have defaults)."""
+        return await self.api._body(request) if int(request.headers.get("content-length") or 0) else {}
 
     def _check_admin(self) -> None:
         if not self.api.api_keys:
