@@ -106,6 +106,7 @@ def _finetune(args) -> int:
         config=TrainConfig(**given(args, TrainConfig)),
         adapter=LoraConfig(**adapter),
         full=args.full,
+        progress=True,
     )
     what = "the model" if args.full else "the adapter"
     print(f"wrote {what} to {args.output}; last: {history[-1] if history else 'no update'}", file=sys.stderr)

@@ -23,6 +23,7 @@ a run resumed from one ends with the same bits as a run never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,6 +36,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import jinfer.lora as lora
 from jinfer.config import ModelConfig
@@ -271,36 +274,47 @@ class Trainer:
         held_out: Sequence[Example] = (),
         output_dir: str | None = None,
         until: int | None = None,
+        progress: bool = False,
     ):
         """Train up to update `until` (default: `config.steps`; from the last checkpoint in
         output_dir, if any, checkpointing there; without one nothing is written); the trainable
-        tree. Called again, it goes on from where it stopped."""
+        tree. Called again, it goes on from where it stopped. With `progress`, a bar on stderr
+        counts the updates with the last one's loss and tokens/s (each update then waits for its
+        loss, which costs the overlap of one batch's host work with the step)."""
         config = self.config
         if output_dir is not None:
             self._restore(output_dir)
-        micro, last_log = int(self.state.step), time.perf_counter()
-        seen, losses = 0.0, []
-        while micro < (until or config.steps) * config.accumulation:
-            tokens, mask, real = micro_batch(examples, config.batch_size, config.seed, micro)
-            self.state, loss, _ = self._step(self.state, self.base, tokens, mask)
-            micro, seen = micro + 1, seen + real
-            losses.append(loss)
-            if micro % config.accumulation:
-                continue
-            update = micro // config.accumulation
-            last = update == (until or config.steps)
-            if update % config.log_every == 0 or last:
-                now = time.perf_counter()
-                record = {"update": update, "loss": float(np.mean(jax.device_get(losses)))}
-                record["tokens_per_s"] = seen / (now - last_log)
-                if held_out and (update % config.eval_every == 0 or last):
-                    record["held_out_loss"] = self.held_out_loss(held_out)
-                self.history.append(record)
-                log.info("update %d/%d %s", update, config.steps, _described(record))
-                seen, losses, last_log = 0.0, [], time.perf_counter()
-            if output_dir is not None and (update % config.checkpoint_every == 0 or last):
-                self._save(output_dir, update)
+        micro, target = int(self.state.step), until or config.steps
+        bar = tqdm(total=target, initial=micro // config.accumulation, unit="update", disable=not progress)
+        since_log = Tally(time.perf_counter())
+        with bar, logging_redirect_tqdm() if progress else contextlib.nullcontext():
+            while micro < target * config.accumulation:
+                update_start = Tally(time.perf_counter())
+                for _ in range(config.accumulation):
+                    tokens, mask, real = micro_batch(examples, config.batch_size, config.seed, micro)
+                    self.state, loss, _ = self._step(self.state, self.base, tokens, mask)
+                    micro += 1
+                    update_start.add(loss, real)
+                    since_log.add(loss, real)
+                update, last = micro // config.accumulation, micro == target * config.accumulation
+                if progress:
+                    bar.update(1)
+                    bar.set_postfix(update_start.described(time.perf_counter()), refresh=False)
+                if update % config.log_every == 0 or last:
+                    evaluate = update % config.eval_every == 0 or last
+                    self._record(update, since_log, held_out if evaluate else ())
+                    since_log = Tally(time.perf_counter())
+                if output_dir is not None and (update % config.checkpoint_every == 0 or last):
+                    self._save(output_dir, update)
         return self.state.trainable
+
+    def _record(self, update: int, tally: Tally, held_out: Sequence[Example]) -> None:
+        """A progress record of the updates since the last (`history`, and a log line)."""
+        record = {"update": update, **tally.described(time.perf_counter())}
+        if held_out:
+            record["held_out_loss"] = self.held_out_loss(held_out)
+        self.history.append(record)
+        log.info("update %d/%d %s", update, self.config.steps, _described(record))
 
     def _save(self, output_dir: str, update: int) -> None:
         import orbax.checkpoint as ocp
@@ -327,6 +341,24 @@ class Trainer:
         log.info("resumed from update %d", found[-1])
 
 
+@dataclasses.dataclass
+class Tally:
+    """Micro-batches' losses (on the device until described) and real tokens since `start`."""
+
+    start: float
+    losses: list = dataclasses.field(default_factory=list)
+    tokens: float = 0.0
+
+    def add(self, loss: jax.Array, tokens: float) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+
+    def described(self, now: float) -> dict[str, float]:
+        """Their mean loss and tokens/s (waits for the losses)."""
+        loss = float(np.mean(jax.device_get(self.losses)))
+        return {"loss": loss, "tokens_per_s": self.tokens / (now - self.start)}
+
+
 def _checkpoints(directory: str) -> list[int]:
     if not os.path.isdir(directory):
         return []
@@ -346,12 +378,13 @@ def finetune(
     config: TrainConfig | None = None,
     adapter: lora.LoraConfig | None = None,
     full: bool = False,
+    progress: bool = False,
 ) -> list[dict[str, float]]:
     """Train an adapter (`adapter`'s config; default LoraConfig()) or, with `full`, every weight of
     `model` (default: the embedded SmolLM2) on a JSONL file, resuming from output_dir's last
     checkpoint if there is one; write the result there: the adapter (jinfer's format, which
     `LLM.load_adapter` and `jinfer serve --lora` read), or a jinfer checkpoint of the model.
-    Returns the progress records (`Trainer.history`)."""
+    Returns the progress records (`Trainer.history`); `progress`: a bar on stderr (`Trainer.run`)."""
     from jinfer.formats.adapters import save_adapter
     from jinfer.formats.checkpoint import save_checkpoint
     from jinfer.loading import default_model_path, load_model
@@ -367,7 +400,7 @@ def finetune(
     else:
         initial = lora.init_adapter(cfg, adapter or lora.LoraConfig(), jax.random.key(config.seed))
         trainer = Trainer(cfg, loaded.params, config, initial, cfg.vocab_size)
-    trained = trainer.run(examples, held_out, output_dir)
+    trained = trainer.run(examples, held_out, output_dir, progress=progress)
     if full:
         save_checkpoint(output_dir, dataclasses.replace(loaded, params=trained))
     else:

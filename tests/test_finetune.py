@@ -84,6 +84,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_adapter_bits(tiny_m
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     steps = 400
     assert _finetune(directory, data, whole, steps, 10).wait(timeout=600) == 0
+    bar = _log(whole).replace("\r", "\n").splitlines()
+    done = [line for line in bar if f"{steps}/{steps}" in line]  # the progress bar's last state
+    assert done and "loss=" in done[-1] and "tokens_per_s=" in done[-1], bar[-5:]
     run = _finetune(directory, data, killed, steps, 10)
     checkpoints = os.path.join(killed, "checkpoints")
     deadline = time.monotonic() + 300
