@@ -14,7 +14,7 @@ call (the engine's loop and a server scoring a text).
 An input's `allowed` bitmask is None when no row is constrained: the device passes its resident
 all-bits-set mask instead of uploading one. `warm_up` builds every program's executable (kept
 whole from an earlier start, `jinfer.program_store`, or compiled all at once on every core), then
-dispatches each once; a dispatch runs its program's executable without tracing;
+dispatches each it compiled once; a dispatch runs its program's executable without tracing;
 `idle_inputs` are a program's inputs with no row busy (warm-up; timing verify steps,
 `speculation.measure_verify_costs`).
 """
@@ -181,22 +181,24 @@ class Device:
         return padded
 
     def warm_up(self) -> None:
-        """Compile every program (`Steps.programs`) and the small verbs, then call each once. The
+        """Compile every program (`Steps.programs`) and the small verbs, then call once each
+        program this process built: a kept executable (`jinfer.program_store`) ran on this machine
+        when an earlier start built it, and its first call costs what any call costs (a prompt
+        program's is its whole chunk's compute: seconds of a restart, spent for nothing). The
         caller sets block tables that map nowhere first: the warm-up chunks write."""
         idle = {p: (self.idle_inputs(p), self._idle_chunk(p)) for p in self.steps.programs}
-        self._compile_programs(idle)
-        for program, (inputs, chunk) in idle.items():
-            out = self.dispatch(program, inputs, chunk)
+        for program in self._compile_programs(idle):
+            self.dispatch(program, *idle[program])
         self.history(pack_history(0, [], 0, self.steps.layout.max_seq_len))
         self.clear_pages(self.page_list([]))
-        jax.block_until_ready((out, self.cache, self.state))
+        jax.block_until_ready((self.cache, self.state))
 
-    def _compile_programs(self, idle: dict[Program, tuple[RowInputs, PackedChunk | None]]) -> None:
+    def _compile_programs(self, idle: dict[Program, tuple[RowInputs, PackedChunk | None]]) -> list[Program]:
         """Build every program's executable for its `idle` inputs and chunk before its first call:
         the one kept whole from an earlier start (`jinfer.program_store`) where there is one, else
         traced (Python's work, one at a time), compiled on every core at once and kept (JAX's
         compile cache may serve them only where nothing is kept: `bypassed` says why). Calls with
-        the same arguments' shapes run it."""
+        the same arguments' shapes run it. The programs built here, not loaded kept."""
         store = ProgramStore.for_steps(self.steps)
         args = {program: self._program_args(program, *idle[program]) for program in idle}
         with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
@@ -212,6 +214,7 @@ class Device:
             if store is not None:  # what this process had built before may not serialize whole
                 fresh = [program for program, (_, new) in compiled.items() if new]
                 list(pool.map(lambda p: store.save(p, args[p], self.executables[p]), fresh))
+        return missing
 
     @staticmethod
     def _load_kept(store: ProgramStore, program: Program, args: tuple) -> jax.stages.Compiled | None:
