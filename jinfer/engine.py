@@ -1,10 +1,11 @@
 """The engine: one loop that ties the host scheduler to the jitted device steps.
 
     submit / cancel (any thread) --inbox, under a lock--> Scheduler
-    loop thread:  plan -> dispatch the prompt chunks the token budget took (one prefill dispatch
-                  of pieces) + one multi-step decode (async, cache donated), or, speculating,
-                  decode steps that verify draft tokens (`jinfer.speculative`), or, where the
-                  layout allows (`Layout.mixed_rows`), the pieces and one decode step as one
+    loop thread:  plan -> dispatch (`jinfer.dispatcher`) the prompt chunks the token budget took
+                  (one prefill dispatch of pieces) + one multi-step decode (async, cache
+                  donated), or, speculating, decode steps that verify draft tokens
+                  (`jinfer.speculative`), or, where the layout allows (`Layout.mixed_rows`), the
+                  pieces and one decode step as one
                   -> read the previous iteration's tokens (one iteration late) -> scheduler.commit
                   -> the events it returns go to the sinks, outside the lock
 
@@ -26,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
@@ -35,39 +35,22 @@ import jinfer.residency as residency
 from jinfer.assembly import assemble
 from jinfer.cluster import current_cluster
 from jinfer.compile_cache import tally
-from jinfer.config import PROMPT_PIECE, EngineConfig
-from jinfer.inputs import Program, RowInputs, RowProcessor, decode_inputs, processor_inputs, row_inputs
+from jinfer.config import EngineConfig
+from jinfer.dispatcher import Dispatcher, Pending, drafts_of
+from jinfer.inputs import RowProcessor, processor_inputs
 from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
 from jinfer.paging import SINK_PAGE, SequencePages
 from jinfer.prepare import PreparedRequest
-from jinfer.request import PrefillWork, Request, RequestOutput, deliver, positions_written
-from jinfer.sampling import StepOutput
-from jinfer.scheduler import Plan, QueueFullError
+from jinfer.request import Request, RequestOutput, deliver
+from jinfer.scheduler import QueueFullError
 from jinfer.scoring import Scorer
 from jinfer.speculation import DraftRecord, may_draft, measure_verify_costs
-from jinfer.state import pack_history, pack_pieces
-from jinfer.steps import mixed_program, prefill_program
-from jinfer.structured import allowed_bitmask
 from jinfer.tokenizer import TextStream
 
 log = logging.getLogger("jinfer.engine")
 
 __all__ = ["DispatchCounts", "Engine", "EngineUnavailable", "QueueFullError", "RequestOutput"]
-
-
-class Pending(NamedTuple):
-    """A dispatch's output not yet read: the owner of each of its rows (None: a row whose tokens
-    are not a request's to take), and for a verify dispatch (steps, drafts checked, their kinds)."""
-
-    owners: list[Request | None]
-    out: StepOutput
-    verified: tuple | None = None
-
-
-def _drafts(owners: list[Request | None]) -> list:
-    """The rows' speculation records (None: a row without a request)."""
-    return [None if r is None else r.drafts for r in owners]
 
 
 class EngineUnavailable(RuntimeError):
@@ -90,15 +73,14 @@ class Engine:
         self.device, self.kv, self.scheduler = parts.device, parts.kv, parts.scheduler
         self.preparer, self.speculation = parts.preparer, parts.speculation
         self.cache_bytes, self.adapters = parts.cache_bytes, parts.adapters
-        self._tables_version = self.kv.version  # of the device's block tables
         self.weights_version = 0  # how many times update_weights replaced the loaded weights
         self.asleep = 0  # the level of the sleep it is in (`jinfer.residency`); 0: awake
         self.paused: str | None = None  # the mode of the pause it is in (`jinfer.residency`)
         # Sequences scored whole, outside the slots (LLM.score, the server's echo with logprobs).
         self.scorer = Scorer(self.device.score, self.layout.max_seq_len)
         self._pending: list[Pending] = []  # dispatched, not yet read
-        self._deferred: list[Request | None] | None = None  # per slot: decoded, waiting for `sample`
         self.dispatch_counts = DispatchCounts()  # written by the loop thread only
+        self.dispatcher = Dispatcher(self, self._recover)  # plans into device calls (`jinfer.dispatcher`)
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -264,19 +246,19 @@ class Engine:
     def _idle(self) -> bool:
         """Nothing to plan, nothing on the device left to read or sample (call under the lock)."""
         if self.failure is not None:  # what is on the device will not be read
-            self._pending, self._deferred = [], None
-        return not self.scheduler.has_work and not self._pending and self._deferred is None
+            self._pending, self.dispatcher.deferred = [], None
+        return not self.scheduler.has_work and not self._pending and self.dispatcher.deferred is None
 
     def step(self) -> None:
         """One iteration: sample the rows the last decode deferred, plan, dispatch, then commit what
         the previous iteration produced."""
-        if self._deferred is not None:
+        if self.dispatcher.deferred is not None:
             self._sample_deferred()
         with self._lock:
             plan = self.scheduler.plan()
             self._lock.notify_all()  # the queue may have room now
         deliver(plan.events)
-        dispatched = self._dispatch(plan)
+        dispatched = self.dispatcher.dispatch(plan)
         previous, self._pending = self._pending, dispatched
         for entry in previous:
             self._commit(entry)
@@ -289,172 +271,19 @@ class Engine:
                 return
             self.step()
 
-    def _dispatch(self, plan: Plan) -> list[Pending]:
-        """Queue the plan's prompt chunks (one prefill dispatch) and its decode dispatch; what they
-        will have produced."""
-        if self._tables_version != self.kv.version:
-            # A copy: on a CPU the device array may share the host buffer, which the next plan changes.
-            self.device.set_tables(self.kv.tables.copy())
-            self._tables_version = self.kv.version
-        sampled = [w.request for w in plan.prefills if w.last]
-        allowed = allowed_bitmask(sampled, self.layout.max_slots, self.steps.vocab_size)
-        if plan.prefills and plan.decodes and self.layout.mixed_rows:
-            return self._dispatch_mixed(plan, allowed)
-        pending = self._dispatch_prefill(plan.prefills, allowed) if plan.prefills else []
-        if plan.decodes:
-            pending += self._dispatch_decode(plan, allowed)
-        return pending
-
-    def _pieces(self, works: list[PrefillWork]) -> tuple:
-        """The chunks cut into pieces, padded to a piece bucket: the packed pieces, each piece's
-        request and the request it ends (None: none, or padding)."""
-        vocab = self.steps.vocab_size
-        pieces, owners, ending = [], [], []
-        for work in works:
-            rows = work.pieces(PROMPT_PIECE, vocab)
-            pieces += rows
-            owners += [work.request] * len(rows)
-            ending += [None] * (len(rows) - 1) + [work.request if work.last else None]
-        bucket = self.layout.piece_bucket(len(pieces))
-        padding = [None] * (bucket - len(pieces))
-        return pack_pieces(pieces, bucket, PROMPT_PIECE, vocab), owners + padding, ending + padding
-
-    def _dispatch_prefill(self, works: list[PrefillWork], allowed) -> list[Pending]:
-        """The plan's prompt chunks, cut into pieces, as one prefill dispatch (a piece bucket);
-        the pending record of the pieces that end a prompt."""
-        chunk, owners, ending = self._pieces(works)
-        bucket = len(owners)
-        wants = np.bool_(any(w.request.sampling.logprobs is not None for w in works if w.last))
-        inputs = self._inputs(owners, steps=np.ones(bucket, np.int32), want_logprobs=wants, allowed=allowed)
-        try:
-            for work in works:
-                self._set_history(work)
-            # A drafting request's draft cache must be fed; others' pages take the draft's K/V too.
-            feeds = any(w.request.drafts.drafting for w in works) and self._feeds_draft()
-            program = prefill_program(bucket, feeds or self.steps.draft_model is None)
-            out = self.device.dispatch(program, inputs, chunk)
-        except Exception as e:  # a device failure must not kill the engine
-            self._recover([w.request for w in works], e)
-            return []
-        return self._pieces_pending(works, ending, out, program)
-
-    def _pieces_pending(self, works: list[PrefillWork], ending: list, out, program: Program) -> list[Pending]:
-        """Count a dispatch's prompt pieces; the pending record of those that end a prompt."""
-        self.dispatch_counts.count_prefill(sum(len(w.tokens) for w in works), program.chunk)
-        return [Pending(ending, out.chunk)] if any(ending) else []
-
-    def _dispatch_mixed(self, plan: Plan, allowed) -> list[Pending]:
-        """The plan's prompt pieces and one decode step of its rows as one mixed dispatch; the
-        pending records of the pieces that end a prompt and of the rows."""
-        works = plan.prefills
-        chunk, piece_owners, ending = self._pieces(works)
-        owners = plan.decode_owners[: self.layout.mixed_bucket(plan.decode_span)]
-        inputs = decode_inputs(owners, 1, allowed, self.steps.processors, pieces=piece_owners)
-        try:
-            for work in works:
-                self._set_history(work)
-            program = mixed_program(len(owners), len(piece_owners))
-            out = self.device.dispatch(program, inputs, chunk)
-        except Exception as e:
-            self._recover([w.request for w in works] + [r for r in owners if r is not None], e)
-            return []
-        self.dispatch_counts.count_decode(program.kind, 1, inputs.steps[: len(owners)])
-        self.dispatch_counts.mixed_dispatches += 1
-        return self._pieces_pending(works, ending, out, program) + self._decode_pending(owners, inputs, out)
-
-    def _dispatch_decode(self, plan: Plan, allowed) -> list[Pending]:
-        """The decode dispatch over the plan's rows: plain steps or verify steps; the pending record
-        of its rows."""
-        rows = self.layout.slot_bucket(plan.decode_span)
-        owners, steps = plan.decode_owners[:rows], self.layout.decode_steps
-        inputs = decode_inputs(owners, steps, allowed, self.steps.processors)
-        attn_len = self._attention_length(owners)
-        verifying = None
-        if self.speculation:
-            verifying, records = self.speculation.choose(rows, _drafts(owners), steps)
-            self.scheduler.store_drafts(owners, records)
-        if verifying is not None:  # (the program's draft length, the draft plan)
-            program = Program("verify", rows, attn_len, drafts=verifying[0])
-            inputs = inputs.replace(plan=verifying[1])
-        else:
-            program = Program("decode", rows, attn_len, feeds_draft=self._feeds_draft())
-        try:
-            out = self.device.dispatch(program, inputs)
-        except Exception as e:
-            self._recover([r for r in owners if r is not None], e)
-            return []
-        self.dispatch_counts.count_decode(program.kind, steps, inputs.steps[:rows])
-        verified = (steps, out.checked, out.kinds) if verifying is not None else None
-        return self._decode_pending(owners, inputs, out, verified)
-
-    def _decode_pending(self, owners: list, inputs: RowInputs, out, verified=None) -> list[Pending]:
-        """The pending record of a dispatch's decode rows (`owners`); its deferred rows are
-        sampled next iteration."""
-        deferred = inputs.deferred[: len(owners)]
-        taking = [None if d else r for r, d in zip(owners, deferred, strict=True)]
-        if deferred.any():
-            self._deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
-        return [Pending(taking, out.rows, verified)]
-
-    def _inputs(self, owners: list, **fields) -> RowInputs:
-        """A dispatch's inputs, a row per owner (`jinfer.inputs.row_inputs`)."""
-        return row_inputs(owners, self.steps.processors, **fields)
-
-    def _attention_length(self, owners: list) -> int:
-        """The attention bucket of a decode dispatch. The device may be one dispatch ahead of what
-        the host has read, and this dispatch adds up to decode_steps x (draft tokens + 1)
-        positions: a bucket that surely holds them all."""
-        per_dispatch = positions_written(self.layout.decode_steps, self.layout.draft_tokens)
-        furthest = max(len(r.prompt_ids) + len(r.output_ids) for r in owners if r is not None)
-        return self.layout.attention_bucket(furthest + 2 * per_dispatch + 1)
-
     def _sample_deferred(self) -> None:
         """Dispatch `sample` for the rows the last decode deferred, under their allowed sets. Those
         follow from every token before, so the outputs holding constrained requests' tokens are read
         first (they were dispatched before the decode now running: ready, or nearly)."""
-        owners, self._deferred = self._deferred, None
+        owners = self.dispatcher.take_deferred()
         constrained = lambda entry: any(r is not None and r.constraint is not None for r in entry.owners)
         first = [entry for entry in self._pending if constrained(entry)]
         self._pending = [entry for entry in self._pending if not constrained(entry)]
         for entry in first:
             self._commit(entry)
         owners = [r if r is not None and not r.finished else None for r in owners]
-        if not any(owners):
-            return
-        want_logprobs = np.bool_(any(r.sampling.logprobs is not None for r in owners if r is not None))
-        try:
-            allowed = allowed_bitmask(owners, self.layout.max_slots, self.steps.vocab_size)
-            deferred = np.array([r is not None for r in owners])
-            inputs = self._inputs(owners, deferred=deferred, want_logprobs=want_logprobs, allowed=allowed)
-            out = self.device.dispatch(Program("sample", len(owners)), inputs)
-        except Exception as e:
-            self._recover([r for r in owners if r is not None], e)
-            return
-        self.dispatch_counts.sample_dispatches += 1
-        self._pending.append(Pending(owners, out.rows))
-
-    def _feeds_draft(self) -> bool:
-        """Whether this dispatch feeds the draft model (`Speculation.feeds_draft`; always without one)."""
-        if self.steps.draft_model is None:
-            return True
-        slots = self.scheduler.slots
-        feeds, records = self.speculation.feeds_draft(_drafts(slots), self.layout.slot_bucket)
-        self.scheduler.store_drafts(slots, records)
-        return feeds
-
-    def _set_history(self, work: PrefillWork) -> None:
-        """Before a penalised or speculative request's first chunk: its slot's prompt mask, output
-        counts and token history, from its tokens (the prefix cache may spare it computing some, a
-        preemption makes it prefill its output again). Other requests never read them."""
-        # A speculative request's chunks write its token history themselves unless the first
-        # starts past cached positions.
-        spared = work.request.drafts.drafting and work.start > 0
-        if work.first and (work.request.sampling.penalised or spared):
-            request = work.request
-            packed = pack_history(
-                work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len
-            )
-            self.device.history(packed)
+        if any(owners):
+            self._pending += self.dispatcher.sample(owners)
 
     def _commit(self, pending: Pending) -> None:
         """Hand a dispatch's tokens to the scheduler (a verify dispatch's drafts' acceptance first)."""
@@ -477,7 +306,7 @@ class Engine:
         steps = None if pending.verified is None else pending.verified[0]
         if pending.verified is not None:  # its requests' acceptance first: their final metrics include it
             checked, kinds = (np.asarray(a) for a in pending.verified[1:])
-            records, tally = self.speculation.record(_drafts(owners), tokens, steps, checked, kinds)
+            records, tally = self.speculation.record(drafts_of(owners), tokens, steps, checked, kinds)
             self.scheduler.store_drafts(owners, records)
             self.dispatch_counts.draft_tokens += tally.drafted
             self.dispatch_counts.accepted_tokens += tally.accepted

@@ -303,7 +303,7 @@ def test_cancel_frees_the_slot_within_one_step(llm, constrained):
     for _ in range(3):
         engine.step()
     assert request.slot is not None and engine.scheduler.slots[request.slot] is request
-    assert (engine._deferred is not None) == constrained
+    assert (engine.dispatcher.deferred is not None) == constrained
     engine.cancel(request.request_id)
     engine.step()
     assert request not in engine.scheduler.slots
