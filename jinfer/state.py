@@ -101,8 +101,19 @@ def rows_of(state: SlotState, rows: int) -> SlotState:
     return jax.tree.map(lambda a: a[:rows], state)
 
 
-def put_rows(full: SlotState, part: SlotState) -> SlotState:
-    return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0), full, part)
+# The fields a step that emits tokens changes in its rows (`advance_rows`); a decode step also
+# keeps a deferred row's logits. The others are a request's settings, written when it starts.
+ADVANCED = ("tokens", "positions", "generated", "counts", "history")
+STEPPED = (*ADVANCED, "logits")
+
+
+def put_rows(full: SlotState, part: SlotState, fields: tuple[str, ...] = STEPPED) -> SlotState:
+    """`full` with its rows 0..rows-1 from `part`, for `fields` only: on a CPU each field written
+    back is a copy of the whole array (XLA does not update a donated vocabulary-wide array in place
+    here), and the settings' masks and bias are ~15 MB at 32 slots: a millisecond of every decode
+    step, for arrays no step changes."""
+    put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(full, name), getattr(part, name), 0, 0)
+    return full.replace(**{name: put(name) for name in fields})
 
 
 class RowStep(NamedTuple):
@@ -126,16 +137,18 @@ def scan_rows(step, cache, state: SlotState, row_steps, deferred, steps: int):
     """`steps` steps for slots 0..rows-1 (`lax.scan`; rows = len(row_steps)): `step(cache,
     rows_state, active, deferred) -> cache, rows_state, output`, slot i active in the first
     row_steps[i] steps, a deferred slot deferred in the first only. Returns the cache, the whole
-    state and the outputs stacked [steps, ...]."""
+    state and the outputs stacked [steps, ...]. Only the fields a step changes (`STEPPED`) are
+    carried from step to step: the settings are read where they lie."""
+    part = rows_of(state, row_steps.shape[0])
 
     def scan_step(carry, index):
-        cache, part = carry
-        cache, part, out = step(cache, part, row_steps > index, deferred & (index == 0))
-        return (cache, part), out
+        cache, fields = carry
+        cache, stepped, out = step(cache, part.replace(**fields), row_steps > index, deferred & (index == 0))
+        return (cache, {name: getattr(stepped, name) for name in STEPPED}), out
 
-    carry = (cache, rows_of(state, row_steps.shape[0]))
-    (cache, part), outs = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
-    return cache, put_rows(state, part), outs
+    carry = (cache, {name: getattr(part, name) for name in STEPPED})
+    (cache, fields), outs = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
+    return cache, put_rows(state, part.replace(**fields)), outs
 
 
 def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs, processors=()):

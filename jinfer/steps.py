@@ -86,6 +86,7 @@ from jinfer.sampling import choose
 from jinfer.sharding import DATA, MODEL
 from jinfer.speculative import program_lengths, verify, verify_programs
 from jinfer.state import (
+    ADVANCED,
     PackedChunk,
     PrefillChunk,
     RowStep,
@@ -299,11 +300,7 @@ def _sample(state: SlotState, inputs: RowInputs, *, processors):
     allowed = inputs.allowed[:rows]
     processing = inputs.processing(processors)
     part, out = sample_rows(part, part.logits, allowed, inputs.deferred, inputs.want_logprobs, processing)
-    # Only the fields sampling changes are written back: on a CPU each is a pass of its own.
-    put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(state, name), getattr(part, name), 0, 0)
-    state = state.replace(
-        **{name: put(name) for name in ("tokens", "positions", "generated", "counts", "history")}
-    )
+    state = put_rows(state, part, ADVANCED)  # sampling reads the kept logits, and changes them not
     return state, DispatchOutput(rows=jax.tree.map(lambda x: x[None], out))
 
 
