@@ -119,7 +119,7 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
     inputs = neutral_inputs(slots).replace(steps=every_step, allowed=engine.steps.unconstrained)
     tables = engine.steps.put_tables(contiguous_tables(slots, layout.max_seq_len, layout.page_size))
     cache, state = engine.device.cache, engine.device.state
-    scopes = op_scopes(decode.lower(engine.params, cache, state, tables, inputs, None).compile().as_text())
+    scopes = op_scopes(decode.lower(engine.device.weights, cache, state, tables, inputs, None).compile().as_text())
 
     def run(calls):
         nonlocal cache, state
