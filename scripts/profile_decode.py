@@ -119,7 +119,8 @@ def profile(slots: int, packed_weights: bool, quantization: str) -> dict:
     inputs = neutral_inputs(slots).replace(steps=every_step, allowed=engine.steps.unconstrained)
     tables = engine.steps.put_tables(contiguous_tables(slots, layout.max_seq_len, layout.page_size))
     cache, state = engine.device.cache, engine.device.state
-    scopes = op_scopes(decode.lower(engine.device.weights, cache, state, tables, inputs, None).compile().as_text())
+    lowered = decode.lower(engine.device.weights, cache, state, tables, inputs, None)
+    scopes = op_scopes(lowered.compile().as_text())
 
     def run(calls):
         nonlocal cache, state
