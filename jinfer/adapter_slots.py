@@ -55,7 +55,8 @@ class AdapterSlots:
             return stack
         pack = lambda w: PackedWeight(w, cpu_matmul.pack(w))
         layers = [
-            {k: lora.LoraPair(pack(p.a), pack(p.b)) for k, p in layer.items()} for layer in stack.layers
+            {w: lora.WeightPairs(pack(p.a), tuple(map(pack, p.bs))) for w, p in layer.items()}
+            for layer in stack.layers
         ]
         return stack.replace(layers=tuple(layers))
 

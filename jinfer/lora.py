@@ -8,13 +8,16 @@ its config static): what a trainer differentiates, what `jinfer.formats.adapters
 PEFT directory and saves with orbax.
 
 A forward pass meets adapters as one more holding of a weight (`AdaptedWeight`, a `project`
-registration): the base weight as held (float, packed, quantized) and, per adapted projection,
-the A and B of a stack of adapters (`AdapterStack`: S adapters, each padded to R rows) with each
-column's slot in the stack (-1: none). Per column, its adapter's rows of A x are kept (scaled)
-and every other row zeroed, then B multiplies them: zeros add nothing, so a column's delta is the
-same bits whichever other adapters share the stack or the call (with products whose bits do not
-depend on the column count: jinfer's CPU kernels). A column without an adapter takes the base
-product's bits unchanged, and a call with no adapted column skips the deltas (`lax.cond`).
+registration): the base weight as held (float, packed, quantized) and the stack's pairs for the
+projections it holds (`AdapterStack`: S adapters, each padded to R rows; the A of every
+projection of one weight stacked, so one product serves q, k and v), with each column's slot in
+the stack (-1: none). Per column, its adapter's rows of A x are kept (scaled) and every other row
+zeroed, then each projection's B multiplies its rows: zeros add nothing, so a column's delta is
+the same bits whichever other adapters share the stack or the call (with products whose bits do
+not depend on the column or row count: jinfer's CPU kernels). The projections' deltas, side by
+side as the weight holds its outputs, are added to the base product once. A column without an
+adapter takes the base product's bits unchanged, and a call with no adapted column skips the
+deltas (`lax.cond`).
 
     adapted(params, cfg, stack, slots) -> params whose targeted weights are `AdaptedWeight`s
 """
@@ -121,12 +124,23 @@ def check_adapter(adapter: Adapter, cfg: ModelConfig) -> None:
 
 
 @struct.dataclass
-class AdapterStack:
-    """S adapters side by side, each padded to `rank` rows: per layer and target, A [S * rank, in]
-    and B [out, S * rank] (zeros where an adapter has no such target or fewer rows, and in an empty
-    slot), and each slot's scale (0 for an empty slot)."""
+class WeightPairs:
+    """A stack's pairs for the projections one weight holds (its targets, in `targets_of` order):
+    their A stacked [T * S * rank, in] (one product for all of them) and each one's B
+    [out, S * rank]."""
 
-    layers: tuple[dict[str, LoraPair], ...]
+    a: Any
+    bs: tuple
+
+
+@struct.dataclass
+class AdapterStack:
+    """S adapters side by side, each padded to `rank` rows: per layer and weight, the `WeightPairs`
+    of its targets, each target's A [S * rank, in] and B [out, S * rank] (zeros where an adapter
+    has no such target or fewer rows, and in an empty slot), and each slot's scale (0 for an
+    empty slot)."""
+
+    layers: tuple[dict[str, WeightPairs], ...]
     scales: jax.Array  # [S] float32
     rank: int = struct.field(pytree_node=False)
     targets: tuple[str, ...] = struct.field(pytree_node=False)
@@ -147,16 +161,12 @@ def stack(
             raise ValueError(f"the adapter changes {sorted(extra)}, which the stack does not hold")
     layers = []
     for i in range(cfg.num_layers):
-        layer = {}
+        a_rows, b_stacks = {}, {}  # per weight: its targets' A rows, and B per target
         for name, target in by_name.items():
-            a_rows, b_columns = [], []
-            for adapter in adapters:
-                pair = None if adapter is None else adapter.layers[i].get(name)
-                a, b = _padded(pair, target, rank)
-                a_rows.append(a)
-                b_columns.append(b)
-            layer[name] = LoraPair(jnp.concatenate(a_rows, 0), jnp.concatenate(b_columns, 1))
-        layers.append(layer)
+            padded = [_padded(None if a is None else a.layers[i].get(name), target, rank) for a in adapters]
+            a_rows.setdefault(target.weight, []).extend(a for a, _ in padded)
+            b_stacks.setdefault(target.weight, []).append(jnp.concatenate([b for _, b in padded], 1))
+        layers.append({w: WeightPairs(jnp.concatenate(a_rows[w], 0), tuple(b_stacks[w])) for w in a_rows})
     scales = [0.0 if adapter is None else adapter.config.scale for adapter in adapters]
     return AdapterStack(tuple(layers), jnp.asarray(scales, jnp.float32), rank, tuple(targets))
 
@@ -179,11 +189,11 @@ def column_scales(stack: AdapterStack, slots: jax.Array) -> jax.Array:
 @struct.dataclass
 class AdaptedWeight:
     """A weight as held (`base`) with the stack's pairs for the projections it holds (`pairs`, in
-    `targets`' order) and the call's columns: `scales` [S * rank, N], `adapted` [N] bool (None:
+    `targets`' order) and the call's columns: `scales` [T * S * rank, N], `adapted` [N] bool (None:
     every column, as in a trainer's forward)."""
 
     base: Any
-    pairs: tuple[LoraPair, ...]
+    pairs: WeightPairs
     scales: jax.Array
     adapted: jax.Array | None
     targets: tuple[AdapterTarget, ...] = struct.field(pytree_node=False)
@@ -198,21 +208,36 @@ def _adapted_product(w: AdaptedWeight, x: jax.Array, input_dims: int = 1) -> jax
     out = project(w.base, x, input_dims)
 
     def with_deltas():
-        summed = out
-        for pair, target in zip(w.pairs, w.targets, strict=True):
-            kept = project(pair.a, x) * w.scales.astype(x.dtype)  # [S * rank, N]
-            delta = project(pair.b, kept).reshape(*target.out_shape, -1)
-            if target.part is None:
-                summed = summed + delta
-            else:
-                axis, offset = target.part
-                where = (slice(None),) * axis + (slice(offset, offset + target.out_shape[axis]),)
-                summed = summed.at[where].add(delta)
+        kept = project(w.pairs.a, x) * w.scales.astype(x.dtype)  # [T * S * rank, N]
+        rows = kept.shape[0] // len(w.targets)
+        deltas = [
+            project(b, kept[i * rows : (i + 1) * rows]).reshape(*target.out_shape, -1)
+            for i, (b, target) in enumerate(zip(w.pairs.bs, w.targets, strict=True))
+        ]
+        summed = out + _side_by_side(deltas, w.targets, out.shape)
         return summed if w.adapted is None else jnp.where(w.adapted, summed, out)
 
     if w.adapted is None:
         return with_deltas()
     return jax.lax.cond(jnp.any(w.adapted), with_deltas, lambda: out)
+
+
+def _side_by_side(deltas: list[jax.Array], targets: tuple[AdapterTarget, ...], shape) -> jax.Array:
+    """The projections' deltas where the weight holds their outputs: one target's as it is, the
+    parts of a stacked weight's concatenated along their axis in their order (zeros for a part no
+    target covers), so each output takes one addition."""
+    if targets[0].part is None:
+        return deltas[0]
+    axis = targets[0].part[0]
+    parts, at = [], 0
+    for delta, target in sorted(zip(deltas, targets, strict=True), key=lambda pair: pair[1].part[1]):
+        if target.part[1] > at:  # a part no target covers
+            parts.append(jnp.zeros((*shape[:axis], target.part[1] - at, *shape[axis + 1 :]), delta.dtype))
+        parts.append(delta)
+        at = target.part[1] + target.out_shape[axis]
+    if at < shape[axis]:
+        parts.append(jnp.zeros((*shape[:axis], shape[axis] - at, *shape[axis + 1 :]), deltas[0].dtype))
+    return jnp.concatenate(parts, axis)
 
 
 def adapted(params, cfg: ModelConfig, stack: AdapterStack, slots: jax.Array | None = None):
@@ -229,15 +254,11 @@ def adapted(params, cfg: ModelConfig, stack: AdapterStack, slots: jax.Array | No
     layers = []
     for layer, pairs in zip(params.layers, stack.layers, strict=True):
         changed = {}
-        for weight in dict.fromkeys(target.weight for target in by_name.values()):
-            names = [name for name, target in by_name.items() if target.weight == weight]
-            changed[weight] = AdaptedWeight(
-                getattr(layer, weight),
-                tuple(pairs[name] for name in names),
-                scales,
-                adapted_columns,
-                tuple(by_name[name] for name in names),
-            )
+        for weight, held in pairs.items():
+            targets = tuple(target for target in by_name.values() if target.weight == weight)
+            every_target = jnp.tile(scales, (len(targets), 1))  # A's rows: the targets' in turn
+            base = getattr(layer, weight)
+            changed[weight] = AdaptedWeight(base, held, every_target, adapted_columns, targets)
         layers.append(layer.replace(**changed))
     return params.replace(layers=tuple(layers))
 
