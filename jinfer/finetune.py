@@ -289,17 +289,17 @@ class Trainer:
         since_log = Tally(time.perf_counter())
         with bar, logging_redirect_tqdm() if progress else contextlib.nullcontext():
             while micro < target * config.accumulation:
-                update_start = Tally(time.perf_counter())
+                this_update = Tally(time.perf_counter())
                 for _ in range(config.accumulation):
                     tokens, mask, real = micro_batch(examples, config.batch_size, config.seed, micro)
                     self.state, loss, _ = self._step(self.state, self.base, tokens, mask)
                     micro += 1
-                    update_start.add(loss, real)
+                    this_update.add(loss, real)
                     since_log.add(loss, real)
                 update, last = micro // config.accumulation, micro == target * config.accumulation
                 if progress:
                     bar.update(1)
-                    bar.set_postfix(update_start.described(time.perf_counter()), refresh=False)
+                    bar.set_postfix(this_update.described(time.perf_counter()), refresh=False)
                 if update % config.log_every == 0 or last:
                     evaluate = update % config.eval_every == 0 or last
                     self._record(update, since_log, held_out if evaluate else ())

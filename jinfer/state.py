@@ -108,10 +108,9 @@ STEPPED = (*ADVANCED, "logits")
 
 
 def put_rows(full: SlotState, part: SlotState, fields: tuple[str, ...] = STEPPED) -> SlotState:
-    """`full` with its rows 0..rows-1 from `part`, for `fields` only: on a CPU each field written
-    back is a copy of the whole array (XLA does not update a donated vocabulary-wide array in place
-    here), and the settings' masks and bias are ~15 MB at 32 slots: a millisecond of every decode
-    step, for arrays no step changes."""
+    """`full` with its rows 0..rows-1 from `part`, for `fields` only. Writing back a field a step
+    left unchanged is not free on a CPU: XLA copied the settings' bias and masks whole, twice a
+    decode step (~15 MB at 32 slots: a millisecond of every step)."""
     put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(full, name), getattr(part, name), 0, 0)
     return full.replace(**{name: put(name) for name in fields})
 
