@@ -251,14 +251,15 @@ def adapted(params, cfg: ModelConfig, stack: AdapterStack, slots: jax.Array | No
         slots = jnp.asarray(slots, jnp.int32)
         adapted_columns, scales = slots >= 0, column_scales(stack, slots)
     by_name = targets_of(cfg, stack.targets)
+    targets = {w: tuple(t for t in by_name.values() if t.weight == w) for w in stack.layers[0]}
+    # A weight's A rows are its targets' in turn: the column scales repeated once per target.
+    tiled = {w: jnp.tile(scales, (len(held), 1)) for w, held in targets.items()}
     layers = []
     for layer, pairs in zip(params.layers, stack.layers, strict=True):
-        changed = {}
-        for weight, held in pairs.items():
-            targets = tuple(target for target in by_name.values() if target.weight == weight)
-            every_target = jnp.tile(scales, (len(targets), 1))  # A's rows: the targets' in turn
-            base = getattr(layer, weight)
-            changed[weight] = AdaptedWeight(base, held, every_target, adapted_columns, targets)
+        changed = {
+            w: AdaptedWeight(getattr(layer, w), held, tiled[w], adapted_columns, targets[w])
+            for w, held in pairs.items()
+        }
         layers.append(layer.replace(**changed))
     return params.replace(layers=tuple(layers))
 
