@@ -181,7 +181,9 @@ class EngineConfig:
         f"prompt pieces of {PROMPT_PIECE} tokens from as many waiting and partly-prefilled requests as "
         "fit (at least one piece)",
     )
-    decode_steps: int = setting(4, "decode steps per device dispatch (lax.scan)")
+    decode_steps: int = setting(
+        4, "decode steps per decode dispatch (lax.scan); a row riding with prompt pieces takes one"
+    )
     speculative: str = setting(
         "off",
         "ngram: decode steps verify draft tokens looked up in each request's own prompt and output; "

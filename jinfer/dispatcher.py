@@ -139,7 +139,7 @@ class Dispatcher:
         works = plan.prefills
         chunk, piece_owners, ending = self._pieces(works)
         owners = plan.decode_owners[: self.layout.mixed_bucket(plan.decode_span)]
-        inputs = decode_inputs(owners, 1, allowed, self.steps.processors, pieces=piece_owners)
+        inputs = decode_inputs(owners, plan.decode_steps, allowed, self.steps.processors, pieces=piece_owners)
         try:
             for work in works:
                 self._set_history(work)
@@ -156,7 +156,7 @@ class Dispatcher:
         """The decode dispatch over the plan's rows: plain steps or verify steps; the pending record
         of its rows."""
         rows = self.layout.slot_bucket(plan.decode_span)
-        owners, steps = plan.decode_owners[:rows], self.layout.decode_steps
+        owners, steps = plan.decode_owners[:rows], plan.decode_steps
         inputs = decode_inputs(owners, steps, allowed, self.steps.processors)
         attn_len = self._attention_length(owners)
         verifying = None

@@ -125,11 +125,12 @@ class Layout:
         about as long as a piece takes). Only where a decode row's bits cannot depend on the prompt
         columns beside it: jinfer's CPU kernels for every product (the packed-weight kernel for
         float matrices, the quantized one for quantized blocks: each column one running sum,
-        whatever shares the call) and for attention; and one plain decode step a dispatch (no
-        `lax.scan` of several, no drafts to verify). Two buckets, 8 and every slot: a bucket costs
-        a compiled program per piece bucket, and an idle row costs only its columns' products."""
+        whatever shares the call) and for attention; and no drafts to verify. A mixed dispatch runs
+        one decode step of its rows, whatever `decode_steps` a decode dispatch of its own scans
+        (the scheduler counts each plan's steps). Two buckets, 8 and every slot: a bucket costs a
+        compiled program per piece bucket, and an idle row costs only its columns' products."""
         kernels = self.attention_kernel == "cpu" and self.packed_weights
-        if not kernels or self.decode_steps != 1 or self.draft_tokens or self.mesh_data > 1:
+        if not kernels or self.draft_tokens or self.mesh_data > 1:
             return ()
         return tuple(sorted({min(8, self.max_slots), self.max_slots}))
 

@@ -59,6 +59,7 @@ class Committed:
 class Plan:
     prefills: list[PrefillWork]  # chunks of one prefill dispatch, before the decode dispatch
     decode_owners: list[Request | None]  # per slot; None = inactive this dispatch
+    decode_steps: int = 1  # tokens each decode row's dispatch makes (one, riding with prompt pieces)
     events: list[Event] = dataclasses.field(default_factory=list)  # cancelled requests' endings
 
     @property
@@ -86,15 +87,15 @@ class Scheduler:
         decode_with_prompts: bool = False,
     ):
         self.tokenizer = tokenizer
-        self.decode_steps = decode_steps  # tokens a decode dispatch produces per slot
+        self.decode_steps = decode_steps  # tokens a decode dispatch of its own produces per slot
         self.draft_tokens = draft_tokens  # draft tokens a verify step takes per speculative slot
         self.max_queue = max_queue
         self.token_budget = token_budget  # tokens an iteration computes, decode tokens first
         self.piece_len = piece_len  # prompt chunks take whole pieces of the budget
         # The piece counts a prefill dispatch is compiled for (None: any count).
         self.piece_buckets = piece_buckets
-        # Decode rows ride in the prompt pieces' dispatch (`Layout.mixed_rows`): a request whose
-        # prompt ends there decodes from the next iteration on, not in the same one.
+        # Decode rows ride in the prompt pieces' dispatch (`Layout.mixed_rows`), one step each: a
+        # request whose prompt ends there decodes from the next iteration on, not in the same one.
         self.decode_with_prompts = decode_with_prompts
         self.kv = kv
         self.waiting: collections.deque[Request] = collections.deque()
@@ -155,7 +156,9 @@ class Scheduler:
             return self._in_flight(Plan([], [None] * len(self.slots)))
         self._grow_running()
 
-        decoding = sum(r.dispatch_tokens(self.decode_steps) for r in self._decode_owners() if r is not None)
+        # Decode rows riding with prompt pieces take one step; prompts get what that leaves.
+        per_row = 1 if self.decode_with_prompts else self.decode_steps
+        decoding = sum(r.dispatch_tokens(per_row) for r in self._decode_owners() if r is not None)
         pieces = self._piece_room(max(1, (self.token_budget - decoding) // self.piece_len))
         prefills: list[PrefillWork] = []
         for request in self._needing_prefill():
@@ -166,11 +169,12 @@ class Scheduler:
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
         # (the device runs the prefill first; its admission gave it pages for that), unless the
         # two share one forward.
-        owners = self._decode_owners()
+        owners, steps = self._decode_owners(), self.decode_steps
         if self.decode_with_prompts and prefills:
             prefilling = {id(w.request) for w in prefills}
             owners = [None if r is not None and id(r) in prefilling else r for r in owners]
-        return self._in_flight(Plan(prefills, owners))
+            steps = 1
+        return self._in_flight(Plan(prefills, owners, steps))
 
     def _piece_room(self, pieces: int) -> int:
         """Pieces a dispatch may fill: `pieces`, up to the bucket it would be padded to anyway (a
@@ -184,11 +188,11 @@ class Scheduler:
         return [r if r is not None and r.wants_decode else None for r in self.slots]
 
     def _in_flight(self, plan: Plan) -> Plan:
-        """Count the tokens the plan's decode dispatch will produce for each of its requests (its
-        `decode_steps`). Attach the plan's events."""
+        """Count the tokens the plan's decode dispatch will produce for each of its requests (the
+        plan's `decode_steps`). Attach the plan's events."""
         for request in plan.decode_owners:
             if request is not None:
-                request.in_flight += request.dispatch_tokens(self.decode_steps)
+                request.in_flight += request.dispatch_tokens(plan.decode_steps)
         plan.events, self._events = self._events, []
         return plan
 

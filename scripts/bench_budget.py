@@ -7,7 +7,7 @@ prompt in a slot of its own), the engine's compiled prefill program is timed on 
 piece continues a prompt whose first P positions are cached (a shared prefix's hit): its queries
 attend over them too. A stream running while
 prompts wait gets its next token after one iteration: the prefill plus its decode step, or, where
-the layout has it (`Layout.mixed_rows`, one decode step a dispatch), the one mixed program that
+the layout has it (`Layout.mixed_rows`: jinfer's CPU kernels), the one mixed program that
 carries the pieces and the decode rows together, timed the same way (its pieces in the slots after
 the decode rows, wrapping round when the rows take them all: the work is the same). Prints
 prompt tokens/s and the prefill's MFU (useful FLOPs over the float32 matmul rate measured in the

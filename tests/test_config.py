@@ -119,7 +119,7 @@ def test_settings_resolve_defaults_then_model_preset_then_config_then_flags(tmp_
 
     server, engine, sampling = _resolve()
     assert engine == EngineConfig(**SERVING_DEFAULTS) and engine.packed_weights is None  # auto
-    assert engine.decode_steps == 1  # a server streams each token as it is sampled
+    assert engine.max_num_batched_tokens == 256  # a prompt stretches the streams' next tokens less
     assert server.served_model_name == "smollm2-135m-instruct" and server.port == 8000 and sampling == {}
     config = tmp_path / "x.toml"
     config.write_text('served_model_name = "mine"\nmax_slots = 4\n[sampling]\ntemperature = 0.5\n')
@@ -150,7 +150,7 @@ def test_help_shows_every_setting_with_its_default(capsys):
         for f in dataclasses.fields(cls):
             assert "--" + f.name.replace("_", "-") in text, f.name
     assert "(default: 2048)" in text and "(default: auto)" in text and "(default: 127.0.0.1)" in text
-    assert "per device dispatch (lax.scan) (default: 1)" in text  # the server's own default
+    assert "as fit (at least one piece) (default: 256)" in text  # the server's own default
     generate = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     assert "--max-tokens" in generate and "--seed" in generate
     assert "--temperature" in generate and "--max-slots" in generate and "--packed-weights" in generate
@@ -240,13 +240,13 @@ def test_decode_rows_ride_with_prompt_pieces_only_where_the_kernels_keep_their_b
     kernels = dataclasses.replace(base, attention_kernel="cpu", packed_weights=True)
     assert kernels.mixed_rows == (8, 32) and kernels.mixed_bucket(5) == 8 and kernels.mixed_bucket(9) == 32
     assert dataclasses.replace(kernels, max_slots=4).mixed_rows == (4,)
+    assert dataclasses.replace(kernels, decode_steps=4).mixed_rows == (8, 32)  # one step riding
     # Anywhere a decode row's bits could depend on the prompt columns beside it, or a dispatch
-    # decodes more than one plain step, decode rows keep a dispatch of their own.
+    # verifies drafts, decode rows keep a dispatch of their own.
     for other in (
         dict(packed_weights=False),  # XLA's dot
         dict(attention_kernel=None),  # XLA's einsums
         dict(attention_kernel="gpu"),
-        dict(decode_steps=4),
         dict(draft_tokens=2),
         dict(mesh_data=2),
     ):

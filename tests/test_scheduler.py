@@ -107,18 +107,27 @@ def test_decode_tokens_come_first_and_prompts_fill_the_rest_of_the_budget(tokeni
     ]
 
 
-def test_a_prompt_ending_beside_the_decode_rows_in_one_forward_decodes_from_the_next_plan(tokenizer):
-    s = Scheduler(tokenizer, 4, max_queue=8, token_budget=64, decode_with_prompts=True)
+@pytest.mark.parametrize("steps", [1, 4])
+def test_a_prompt_ending_beside_the_decode_rows_in_one_forward_decodes_from_the_next_plan(tokenizer, steps):
+    """Decode rows riding with prompt pieces take one step, whatever a decode dispatch of their own
+    scans (`steps`); the budget leaves the prompts what one step a row takes."""
+    s = Scheduler(tokenizer, 4, max_queue=8, token_budget=49, decode_with_prompts=True, decode_steps=steps)
     first = _request(tokenizer, "first", 5, max_tokens=100)
     s.submit(first)
     assert s.plan().decode_owners == [None] * 4  # nothing to ride with: no decode row yet
     second = _request(tokenizer, "second", 20, max_tokens=100)
     s.submit(second)
-    plan = s.plan()  # the second's whole prompt and the first's decode row: one forward
-    assert [w.request for w in plan.prefills] == [second] and plan.prefills[0].last
-    assert plan.decode_owners == [first, None, None, None]
+    third = _request(tokenizer, "third", 5, max_tokens=100)
+    s.submit(third)
+    # The first's decode row (one token) leaves three pieces of the 49: the second's whole prompt
+    # (two) and the third's (one), in one forward with that row.
+    plan = s.plan()
+    assert [w.request for w in plan.prefills] == [second, third] and plan.prefills[1].last
+    assert plan.decode_owners == [first, None, None, None] and plan.decode_steps == 1
     assert (first.in_flight, second.in_flight) == (2, 1)  # first: prefill's token + this decode's
-    assert s.plan().decode_owners == [first, second, None, None]
+    plan = s.plan()
+    assert plan.decode_owners == [first, second, third, None] and plan.decode_steps == steps
+    assert (first.in_flight, second.in_flight) == (2 + steps, 1 + steps)
 
 
 def test_the_pieces_left_fill_the_bucket_the_dispatch_is_padded_to(tokenizer):
