@@ -189,7 +189,7 @@ class Layout:
         products = ", ".join(name for on, name in kernels if on) or "XLA's dot"
         attention = {"cpu": "jinfer's C++ kernel", "gpu": "Pallas kernel", None: "XLA's einsums"}
         steps = f"{self.decode_steps} decode step{'s' * (self.decode_steps != 1)} per dispatch"
-        if self.mixed_rows:
+        if self.mixed_rows and self.decode_steps != 1:
             steps += f" (1 riding with prompt pieces: {','.join(map(str, self.mixed_rows))} rows)"
         if self.draft_tokens:
             variants = " ".join(f"{rows}x{k}" for rows, k in self.verify_variants) or "none"
