@@ -45,8 +45,8 @@ IDLE_CONNECTION_S = 30
 # A server streams to people: a smaller token budget per iteration than offline, so prompts
 # arriving while others stream stretch those streams' next token less. Decode dispatches keep
 # EngineConfig's 4 steps (tokens reach a stream in bursts of up to 4; a row riding with prompt
-# pieces takes one step): one user's time per token is 15-25% shorter than at one step a
-# dispatch. Measured on the embedded model, with reasons: docs/performance.md ("Serving"). The
+# pieces takes one step): one user's time per token on the Q4_1 file was 10-23% shorter than
+# at one step a dispatch. Measured on the embedded model, with reasons: docs/performance.md ("Serving"). The
 # `throughput` preset goes back to EngineConfig's budget.
 SERVING_DEFAULTS = {"max_num_batched_tokens": 256}
 
