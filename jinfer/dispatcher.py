@@ -148,7 +148,7 @@ class Dispatcher:
         except Exception as e:
             self.recover([w.request for w in works] + [r for r in owners if r is not None], e)
             return []
-        self.counts.count_decode(program.kind, 1, inputs.steps[: len(owners)])
+        self.counts.count_decode(program.kind, plan.decode_steps, inputs.steps[: len(owners)])
         self.counts.mixed_dispatches += 1
         return self._pieces_pending(works, ending, out, program) + self._decode_pending(owners, inputs, out)
 

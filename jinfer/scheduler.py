@@ -156,9 +156,9 @@ class Scheduler:
             return self._in_flight(Plan([], [None] * len(self.slots)))
         self._grow_running()
 
-        # Decode rows riding with prompt pieces take one step; prompts get what that leaves.
-        per_row = 1 if self.decode_with_prompts else self.decode_steps
-        decoding = sum(r.dispatch_tokens(per_row) for r in self._decode_owners() if r is not None)
+        # Decode rows riding with prompt pieces take one step; prompts get what the rows leave.
+        beside_prompts = 1 if self.decode_with_prompts else self.decode_steps
+        decoding = sum(r.dispatch_tokens(beside_prompts) for r in self._decode_owners() if r is not None)
         pieces = self._piece_room(max(1, (self.token_budget - decoding) // self.piece_len))
         prefills: list[PrefillWork] = []
         for request in self._needing_prefill():
@@ -169,12 +169,11 @@ class Scheduler:
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
         # (the device runs the prefill first; its admission gave it pages for that), unless the
         # two share one forward.
-        owners, steps = self._decode_owners(), self.decode_steps
+        owners = self._decode_owners()
         if self.decode_with_prompts and prefills:
             prefilling = {id(w.request) for w in prefills}
             owners = [None if r is not None and id(r) in prefilling else r for r in owners]
-            steps = 1
-        return self._in_flight(Plan(prefills, owners, steps))
+        return self._in_flight(Plan(prefills, owners, beside_prompts if prefills else self.decode_steps))
 
     def _piece_room(self, pieces: int) -> int:
         """Pieces a dispatch may fill: `pieces`, up to the bucket it would be padded to anyway (a
