@@ -544,7 +544,9 @@ def test_a_crowd_fills_every_slot_at_once_from_a_pool_of_four_sequences(tiny_mod
     once (a slot costs a row of state; their short sequences share the pool), each answer the
     one it gets alone, though the crowd's decode rows shared dispatches with prompt pieces."""
     options = ["--max-slots", "32", "--max-seq-len", "512", "--kv-cache-tokens", "2048"]
-    options += ["--page-size", "16", "--max-num-batched-tokens", "512"]
+    # One decode step a dispatch: the tiny model's early requests must still be running when the
+    # last of the 32 arrive (at 4 steps a dispatch they could finish 40 tokens first).
+    options += ["--page-size", "16", "--max-num-batched-tokens", "512", "--decode-steps", "1"]
     bodies = [
         {"prompt": f"Member {i} of the crowd says", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
         for i in range(32)
