@@ -53,6 +53,10 @@ class AdapterSlots:
         )
         if not self.packed:
             return stack
+        if cpu_matmul.lora_deltas_available():
+            fused = lora.fused(stack, self.cfg, cpu_matmul.pack, cpu_matmul.block_rows())
+            if fused is not None:
+                return fused
         pack = lambda w: PackedWeight(w, cpu_matmul.pack(w))
         layers = [
             {w: lora.WeightPairs(pack(p.a), tuple(map(pack, p.bs))) for w, p in layer.items()}

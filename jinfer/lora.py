@@ -19,7 +19,15 @@ side as the weight holds its outputs, are added to the base product once. A colu
 adapter takes the base product's bits unchanged, and a call with no adapted column skips the
 deltas (`lax.cond`).
 
+Where the engine packs its weights for jinfer's CPU kernel, the stack is laid out slot by slot
+instead (`fused`, `FusedPairs`) and a weight's deltas are one kernel call (`FusedAdaptedWeight`):
+each adapter's rows multiply only its own columns, so a step reads each adapter once and makes no
+product that a zero scale would discard (4 adapters over 8 rows: a quarter of the arithmetic).
+The values are the stacked products' (each a running sum in the same order, the other adapters'
+zero terms left out), and a call with no adapted column reads no adapter byte.
+
     adapted(params, cfg, stack, slots) -> params whose targeted weights are `AdaptedWeight`s
+                                          (`FusedAdaptedWeight`s over a fused stack)
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.config import ModelConfig
+from jinfer.kernels import cpu_matmul
 from jinfer.models.family import AdapterTarget, family_of
 from jinfer.models.linear import project
 from jinfer.options import setting
@@ -203,6 +212,83 @@ class AdaptedWeight:
         return self.base.shape
 
 
+@struct.dataclass
+class FusedPairs:
+    """A stack's pairs for one weight laid out slot by slot, as jinfer's CPU kernel adds their
+    deltas in one call after the weight's product (`cpu_matmul.lora_delta`): per slot, the A of
+    the weight's projections in turn [T * rank, in] and one B [M, rank] whose row m is the B row of
+    the projection output m belongs to (zeros where none does), each packed; and per packed block
+    of B's rows, where its projection's rows of A x start (-1: no projection)."""
+
+    a: jax.Array  # [S, blocks, in, R]
+    b: jax.Array  # [S, blocks, rank, R]
+    kept_at: tuple[int, ...] = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class FusedAdaptedWeight:
+    """A weight as held (`base`) with the stack's `FusedPairs` for it, each slot's scale (`scales`
+    [S]) and the call's columns' slots (`slots` [N], -1: none; None: every column slot 0, as in a
+    trainer's forward)."""
+
+    base: Any
+    pairs: FusedPairs
+    scales: jax.Array
+    slots: jax.Array | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+
+def _outputs(cfg: ModelConfig, weight: str) -> int:
+    spec = getattr(family_of(cfg).param_specs(cfg).layers[0], weight)
+    return math.prod(spec.shape[: -spec.input_dims])
+
+
+def output_rows(cfg: ModelConfig, target: AdapterTarget) -> np.ndarray:
+    """The rows of its weight's flattened outputs that `target`'s outputs are, in its B's order."""
+    everything = np.arange(_outputs(cfg, target.weight))
+    if target.part is None:
+        return everything
+    axis, offset = target.part
+    shape = list(target.out_shape)
+    shape[axis] = everything.size // (math.prod(shape) // shape[axis])
+    return np.take(
+        everything.reshape(shape), np.arange(offset, offset + target.out_shape[axis]), axis
+    ).ravel()
+
+
+def fused(stack: AdapterStack, cfg: ModelConfig, pack, block: int) -> AdapterStack | None:
+    """The stack as `FusedPairs` for a kernel of `block` rows a packed block (`pack` packs a
+    matrix), or None where a block would hold rows of two projections."""
+    by_name = targets_of(cfg, stack.targets)
+    slots, rank = stack.scales.shape[0], stack.rank
+    layouts = {}
+    for weight in stack.layers[0]:
+        rows = [output_rows(cfg, t) for t in by_name.values() if t.weight == weight]
+        owner = np.full(_outputs(cfg, weight), -1)  # per output row: its projection's first row of A
+        for i, r in enumerate(rows):
+            owner[r] = i * rank
+        blocks = [owner[at : at + block] for at in range(0, owner.size, block)]
+        if any((part != part[0]).any() for part in blocks):
+            return None
+        layouts[weight] = (rows, tuple(int(part[0]) for part in blocks), owner.size)
+
+    def fuse(weight: str, pairs: WeightPairs) -> FusedPairs:
+        rows, kept_at, outputs = layouts[weight]
+        a = pairs.a.reshape(len(rows), slots, rank, -1).transpose(1, 0, 2, 3)  # [S, T, rank, in]
+        b = jnp.zeros((outputs, slots * rank), jnp.float32)
+        for r, part in zip(rows, pairs.bs, strict=True):
+            b = b.at[r].set(part)
+        b = b.reshape(outputs, slots, rank).transpose(1, 0, 2)  # [S, M, rank]
+        per_slot = lambda matrices: jnp.stack([pack(m) for m in matrices])
+        return FusedPairs(per_slot(a.reshape(slots, len(rows) * rank, -1)), per_slot(b), kept_at)
+
+    layers = tuple({w: fuse(w, pairs) for w, pairs in layer.items()} for layer in stack.layers)
+    return stack.replace(layers=layers)
+
+
 @project.register
 def _adapted_product(w: AdaptedWeight, x: jax.Array, input_dims: int = 1) -> jax.Array:
     out = project(w.base, x, input_dims)
@@ -220,6 +306,19 @@ def _adapted_product(w: AdaptedWeight, x: jax.Array, input_dims: int = 1) -> jax
     if w.adapted is None:
         return with_deltas()
     return jax.lax.cond(jnp.any(w.adapted), with_deltas, lambda: out)
+
+
+@project.register
+def _plus_fused_deltas(w: FusedAdaptedWeight, x: jax.Array, input_dims: int = 1) -> jax.Array:
+    """The base product plus the deltas of one kernel call, which reads nothing when no column
+    has an adapter (so no `lax.cond`)."""
+    out = project(w.base, x, input_dims)
+    columns = x.shape[-1]
+    slots = jnp.zeros(columns, jnp.int32) if w.slots is None else w.slots
+    rows = math.prod(out.shape[:-1])
+    deltas = cpu_matmul.lora_deltas(x, slots, w.scales, w.pairs.a, w.pairs.b, w.pairs.kept_at, rows)
+    summed = out + deltas.reshape(out.shape).astype(out.dtype)
+    return summed if w.slots is None else jnp.where(w.slots >= 0, summed, out)
 
 
 def _side_by_side(deltas: list[jax.Array], targets: tuple[AdapterTarget, ...], shape) -> jax.Array:
@@ -243,7 +342,16 @@ def _side_by_side(deltas: list[jax.Array], targets: tuple[AdapterTarget, ...], s
 def adapted(params, cfg: ModelConfig, stack: AdapterStack, slots: jax.Array | None = None):
     """`params` with each weight the stack changes as an `AdaptedWeight` for a call over columns of
     these stack slots (`slots` [N], -1: no adapter; None: every column slot 0, no column left out,
-    as for one adapter in a trainer's forward)."""
+    as for one adapter in a trainer's forward); a stack of `FusedPairs` gives `FusedAdaptedWeight`s."""
+    if isinstance(next(iter(stack.layers[0].values())), FusedPairs):
+        slots = None if slots is None else jnp.asarray(slots, jnp.int32)
+        layers = [
+            layer.replace(
+                **{w: FusedAdaptedWeight(getattr(layer, w), p, stack.scales, slots) for w, p in pairs.items()}
+            )
+            for layer, pairs in zip(params.layers, stack.layers, strict=True)
+        ]
+        return params.replace(layers=tuple(layers))
     if slots is None:
         adapted_columns = None
         scales = jnp.full((stack.rank, 1), stack.scales[0], jnp.float32)  # broadcasts over columns

@@ -2,6 +2,8 @@
 without an adapter keep their bits, each row's tokens are the same alone and in any crowd of
 adapters, and adapters load in memory with nothing compiled."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,9 @@ import jinfer
 from jinfer import SamplingParams, lora
 from jinfer.formats.adapters import read_adapter, save_adapter
 from jinfer.formats.params import CheckpointError
+from jinfer.kernels import cpu_matmul
+from jinfer.models.linear import project
+from jinfer.models.params import PackedWeight
 from jinfer.sampling import RequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
@@ -158,6 +163,50 @@ def test_an_adapter_from_memory_loads_with_no_compile_and_swaps_per_request(adap
     with pytest.raises(RequestError, match="no adapter named 'fresh'"):
         llm.generate([prompt], GREEDY, adapter="fresh")
     assert llm.engine.compile_count() == compiles
+
+
+@pytest.mark.parametrize("columns", [1, 7, 45])
+def test_the_fused_kernel_adds_the_deltas_the_separate_products_do_bit_for_bit(adapted, columns):
+    """Each weight's deltas in one kernel call (`lora.FusedAdaptedWeight`) are the separate
+    products' (A's, then each projection's B, added side by side) bit for bit: with columns on no
+    adapter, on an empty slot and on each held one, narrower and wider than one call takes; and a
+    one-slot stack over every column, as a trainer's forward applies one adapter."""
+    llm = adapted[0]
+    assert cpu_matmul.lora_deltas_available()
+    cfg, slots = llm.engine.model_config, llm.engine.adapters
+    pack = lambda w: PackedWeight(w, cpu_matmul.pack(w))
+
+    def both_ways(adapters):
+        stack = lora.stack(adapters, cfg, slots.rank, slots.targets)
+        fused = lora.fused(stack, cfg, cpu_matmul.pack, cpu_matmul.block_rows())
+        layers = [
+            {w: lora.WeightPairs(pack(p.a), tuple(map(pack, p.bs))) for w, p in layer.items()}
+            for layer in stack.layers
+        ]
+        return fused, stack.replace(layers=tuple(layers))
+
+    rows = np.random.default_rng(columns).integers(-1, len(slots.held), columns)
+    rows[: min(columns, 3)] = [0, -1, 1][: min(columns, 3)]
+    cases = [(both_ways(slots.held), rows), (both_ways(slots.held[:1]), None)]
+    assert isinstance(cases[0][0][0].layers[0]["wqkv"], lora.FusedPairs)
+    inputs = {t.weight: t.in_features for t in lora.targets_of(cfg, slots.targets).values()}
+    product = jax.jit(lambda weight, x, dims: project(weight, x, dims), static_argnums=2)
+    for layer in (0, cfg.num_layers - 1):
+        one = llm.engine.params.replace(layers=(llm.engine.params.layers[layer],))
+        draw = np.random.default_rng(layer).standard_normal
+        x_of = {n: jnp.asarray(draw((n, columns)), jnp.float32) for n in {*inputs.values()}}
+        for stacks, columns_slots in cases:
+            held = [
+                lora.adapted(one, cfg, s.replace(layers=(s.layers[layer],)), columns_slots) for s in stacks
+            ]
+            for weight in inputs:
+                x, dims = x_of[inputs[weight]], 2 if weight == "wo" else 1
+                got, want = (np.asarray(product(getattr(p.layers[0], weight), x, dims)) for p in held)
+                assert np.array_equal(got, want), weight
+                plain = np.asarray(project(getattr(one.layers[0], weight), x, dims))
+                kept = rows < 0 if columns_slots is not None else np.zeros(columns, bool)
+                assert np.array_equal(got[..., kept], plain[..., kept])
+                assert not np.array_equal(got[..., ~kept], plain[..., ~kept])
 
 
 def jax_tree_scaled(adapter: lora.Adapter, factor: float) -> lora.Adapter:

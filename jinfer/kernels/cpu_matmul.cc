@@ -12,6 +12,8 @@
 //
 // Operands (row-major float32): packed [B, K, R], x [K, N]. Result: y [R B, N] (rows past M are
 // the zero padding's products).
+//
+// The same tiles make a weight's low-rank adapter deltas in one call (LoraDelta, at the end).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -189,6 +191,16 @@ void Wide(ffi::ThreadPool& pool, const float* w, const float* x, float* y, int64
 // there on, Wide.
 constexpr int64_t kWideFrom = 33;
 
+// Blocks [b, end) against N < kWideFrom columns, as many blocks a tile as keep the sums in flight.
+void NarrowBlocks(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t b,
+                  int64_t end) {
+  const int widest = BlocksFor(N);
+  if (widest >= 8) b = BlocksBy<8>(w, x, y, K, N, b, end);
+  if (widest >= 4) b = BlocksBy<4>(w, x, y, K, N, b, end);
+  if (widest >= 2) b = BlocksBy<2>(w, x, y, K, N, b, end);
+  BlocksBy<1>(w, x, y, K, N, b, end);
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto pd = packed.dimensions(), xd = x.dimensions(), yd = y->dimensions();
@@ -207,13 +219,138 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffe
   }
   const int64_t tasks = (blocks + kBlocksPerTask - 1) / kBlocksPerTask;
   jinfer::RunTasks(pool, jinfer::PoolCores(pool), tasks, [=](int64_t task) {
-    const int64_t end = std::min(blocks, (task + 1) * kBlocksPerTask);
-    int64_t b = task * kBlocksPerTask;
-    const int widest = BlocksFor(N);
-    if (widest >= 8) b = BlocksBy<8>(w, columns, out, K, N, b, end);
-    if (widest >= 4) b = BlocksBy<4>(w, columns, out, K, N, b, end);
-    if (widest >= 2) b = BlocksBy<2>(w, columns, out, K, N, b, end);
-    BlocksBy<1>(w, columns, out, K, N, b, end);
+    NarrowBlocks(w, columns, out, K, N, task * kBlocksPerTask, std::min(blocks, (task + 1) * kBlocksPerTask));
+  });
+  return ffi::Error::Success();
+}
+
+// Bytes fetched ahead when a stream starts, before its tiles' own prefetches reach that far.
+constexpr int64_t kStartBytes = 16 * 1024;
+
+inline void FetchStart(const float* stream) {
+  for (int64_t line = 0; line < kStartBytes; line += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(stream) + line, 0, 1);
+}
+
+// Blocks [b, b + B) of a slot's packed B [., rank, R] times its columns' rows of A x (kept [rank,
+// n] at kept_at, a column's apart) -> deltas column by column: yt[c * rows + row]. Each a running
+// sum over the rank in order, as the matmul's tiles make it.
+template <int n, int B>
+inline void DeltaTile(const float* b_packed, const float* kept, int64_t n_all, int64_t rank, float* yt,
+                      int64_t rows, int64_t b, int64_t c0) {
+  Rows acc[B][n] = {};
+  for (int i = 0; i < B; ++i) {  // the blocks kStartBytes ahead, as Tile fetches its weights
+    const char* ahead = reinterpret_cast<const char*>(b_packed + (b + i) * rank * kRows) + kStartBytes;
+    for (int64_t line = 0; line < rank * kRows * 4; line += 64) __builtin_prefetch(ahead + line, 0, 1);
+  }
+  for (int64_t j = 0; j < rank; ++j)
+    for (int i = 0; i < B; ++i) {
+      const Rows w = jinfer::Load<Rows>(b_packed + ((b + i) * rank + j) * kRows);
+      for (int c = 0; c < n; ++c)
+        acc[i][c] = jinfer::MulAdd(w, jinfer::Broadcast<Rows>(kept[j * n_all + c0 + c]), acc[i][c]);
+    }
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < n; ++c) jinfer::Store(yt + (c0 + c) * rows + (b + i) * kRows, acc[i][c]);
+}
+
+// DeltaTile over blocks [b, end) and all n columns: 4 blocks at a time for 1 or 2 columns (8
+// sums in flight over the rank's short chain), else one block and up to 8 columns a pass.
+template <int n = 8>
+void DeltaColumns(int64_t columns, const float* b_packed, const float* kept, int64_t n_all, int64_t rank,
+                  float* yt, int64_t rows, int64_t b, int64_t end, int64_t c0) {
+  if constexpr (n > 1)
+    if (columns < n) return DeltaColumns<n - 1>(columns, b_packed, kept, n_all, rank, yt, rows, b, end, c0);
+  if constexpr (n <= 2)
+    for (; b + 4 <= end; b += 4) DeltaTile<n, 4>(b_packed, kept, n_all, rank, yt, rows, b, c0);
+  for (; b < end; ++b) DeltaTile<n, 1>(b_packed, kept, n_all, rank, yt, rows, b, c0);
+}
+
+// The operands of one weight's adapter deltas (LoraDelta): per slot, A_s packed [a_blocks, K, R]
+// and B_s packed [b_blocks, rank, R]; kept_at per block of B's rows.
+struct LoraOperands {
+  const float *a, *b;
+  const int32_t* kept_at;
+  int64_t K, a_blocks, b_blocks, rank;
+};
+
+// Slot s's deltas for its n columns, xs [K, n]: A_s xs scaled into kept [a_blocks R, n], then B_s
+// kept by projection into yt [n, R b_blocks], column by column.
+void SlotDeltas(const LoraOperands& op, int64_t s, float scale, const float* xs, float* kept, int64_t n,
+                float* yt) {
+  const float* a_slot = op.a + s * op.a_blocks * op.K * kRows;
+  const float* b_slot = op.b + s * op.b_blocks * op.rank * kRows;
+  FetchStart(b_slot);
+  NarrowBlocks(a_slot, xs, kept, op.K, n, 0, op.a_blocks);
+  for (int64_t i = 0; i < op.a_blocks * kRows * n; ++i) kept[i] *= scale;
+  const int64_t rows = op.b_blocks * kRows;
+  for (int64_t run = 0, next; run < op.b_blocks; run = next) {  // blocks of one projection
+    for (next = run + 1; next < op.b_blocks && op.kept_at[next] == op.kept_at[run];) ++next;
+    if (op.kept_at[run] < 0) {
+      for (int64_t c = 0; c < n; ++c) std::fill(yt + c * rows + run * kRows, yt + c * rows + next * kRows, 0.0f);
+      continue;
+    }
+    const float* rows_of_a = kept + op.kept_at[run] * n;
+    for (int64_t c0 = 0; c0 < n; c0 += 8)
+      DeltaColumns(std::min<int64_t>(8, n - c0), b_slot, rows_of_a, n, op.rank, yt, rows, run, next, c0);
+  }
+}
+
+// A weight's low-rank adapters' deltas, column by column (see jinfer.lora's FusedPairs): for a
+// column on slot s (slots[c] >= 0), B_s (scale_s (A_s x)). Per slot, A_s [T r, K] holds the rank
+// rows of each of the weight's T projections in turn, and B_s [M, r] holds, for each output row
+// of the weight, the B of the projection it belongs to, whose rows of A_s x start at kept_at[b]
+// for every row of packed block b (-1: rows no projection covers, whose delta is 0). Each slot's
+// rows multiply only its own columns: a slot's bytes are read once, and no product is made that
+// a zero scale would discard. The products are the matmul's running sums over the inputs and then
+// over the slot's rank in order: the separate calls' values (A's product over every slot, the
+// scaling that zeroes the other slots' rows, each projection's B product over them), but for the
+// sign of an exact zero. The result yt [N, R Bb] holds the columns in order of their slots
+// (stably: a slot's columns in their order, columns without one first, left zero), each slot's
+// written by the thread that made it; the caller adds them to the weight's product (the
+// addition fuses into what reads it). Up to kWideFrom - 1 columns a call.
+ffi::Error LoraDelta(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
+                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                     ffi::Buffer<ffi::S32> kept_at, ffi::ResultBuffer<ffi::F32> yt) {
+  const auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions(), yd = yt->dimensions();
+  const int64_t S = scales.dimensions()[0];
+  if (xd.size() != 2 || ad.size() != 4 || bd.size() != 4 || yd.size() != 2 || xd[1] >= kWideFrom ||
+      slots.dimensions()[0] != xd[1] || ad[0] != S || ad[2] != xd[0] || ad[3] != kRows || bd[0] != S ||
+      bd[3] != kRows || kept_at.dimensions()[0] != bd[1] || yd[0] != xd[1] || yd[1] != bd[1] * kRows)
+    return ffi::Error::InvalidArgument("jinfer lora delta: operands of mismatched shapes");
+  const LoraOperands op{a.typed_data(), b.typed_data(), kept_at.typed_data(), xd[0], ad[1], bd[1], bd[2]};
+  const int64_t N = xd[1], K = op.K, rows = yd[1];
+  const int32_t* slot_of = slots.typed_data();
+  for (int64_t block = 0; block < op.b_blocks; ++block)
+    if (op.kept_at[block] + op.rank > op.a_blocks * kRows)
+      return ffi::Error::InvalidArgument("jinfer lora delta: kept_at past the adapters' rows");
+  if (std::any_of(slot_of, slot_of + N, [S](int32_t s) { return s >= S; }))
+    return ffi::Error::InvalidArgument("jinfer lora delta: a slot past the stack");
+  // The columns in order of their slots: the slots in use, their first column there and count.
+  int64_t used[kWideFrom], first[kWideFrom], count_of[kWideFrom], count = 0;
+  const int64_t unadapted = std::count_if(slot_of, slot_of + N, [](int32_t s) { return s < 0; });
+  for (int64_t at = unadapted, s = 0; s < S && at < N; ++s) {
+    const int64_t n = std::count(slot_of, slot_of + N, static_cast<int32_t>(s));
+    if (n) used[count] = s, first[count] = at, count_of[count++] = n, at += n;
+  }
+  float* out = yt->typed_data();
+  std::fill(out, out + unadapted * rows, 0.0f);
+  // Per column, room for it gathered [K] and for its rows of A x [a_blocks R]; kept by the calling
+  // thread from call to call, as the panels are.
+  const int64_t per_column = K + op.a_blocks * kRows;
+  static thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<size_t>(per_column * N)) scratch.resize(per_column * N);
+  float* area = scratch.data();
+  const float *columns = x.typed_data(), *scale = scales.typed_data();
+  jinfer::RunTasks(pool, jinfer::PoolCores(pool), count, [=, &op, &used, &first, &count_of](int64_t u) {
+    const int64_t s = used[u], n = count_of[u];
+    FetchStart(op.a + s * op.a_blocks * K * kRows);
+    float *xs = area + per_column * first[u], *kept = xs + K * n;
+    for (int64_t c = 0, i = 0; c < N; ++c)
+      if (slot_of[c] == s) {
+        for (int64_t k = 0; k < K; ++k) xs[k * n + i] = columns[k * N + c];
+        ++i;
+      }
+    SlotDeltas(op, s, scale[s], xs, kept, n, out + first[u] * rows);
   });
   return ffi::Error::Success();
 }
@@ -221,6 +358,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> packed, ffi::Buffe
 }  // namespace
 
 extern "C" int JinferCpuMatmulBlockRows() { return kRows; }
+extern "C" int JinferCpuLoraDeltaColumns() { return kWideFrom - 1; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JinferCpuLoraDelta, LoraDelta,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // A packed [S, Ab, K, R]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // B packed [S, Bb, r, R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kept_at [Bb]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // yt [N, R Bb]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JinferCpuMatmul, Matmul,
                               ffi::Ffi::Bind()
