@@ -32,6 +32,9 @@ from jinfer.tools import ToolCall, finish_output
 
 @dataclasses.dataclass
 class Completion:
+    """One prompt's answer. With log-probs asked, a stop token (end of sequence, `stop_token_ids`)
+    that ended it is its last token id and entry, adding no text; otherwise it is left out."""
+
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]

@@ -349,7 +349,7 @@ class Scheduler:
             self._finish(request, "error", error=message, poisoned=True)
             return
         if token in request.stop_ids and len(request.output_ids) >= request.sampling.min_tokens:
-            self._finish(request, "stop")
+            self._finish(request, "stop", self._ending(request, token, logprob, now))
             return
         if request.constraint is not None and not request.constraint.accept(token):
             message = f"constrained decoding: token {token} is outside the {request.constraint.kind}"
@@ -365,6 +365,17 @@ class Scheduler:
             self._finish(request, "length", event)
         else:
             self._events.append(Event(request.sink, event))
+
+    @staticmethod
+    def _ending(request: Request, token: int, logprob: dict | None, now: float) -> RequestOutput | None:
+        """Where log-probs are asked, the stop token that ends the output is one of its tokens,
+        with its entry and counted, adding no text (an evaluation harness sums every generated
+        token's log-prob, the end of sequence's too); otherwise it is left out."""
+        if logprob is None:
+            return None
+        request.output_ids.append(token)
+        request.token_times.append(now)
+        return RequestOutput(request.request_id, "", [token], [logprob])
 
     def _finish(
         self,

@@ -65,6 +65,23 @@ def test_logit_bias_and_stop_token_ids(llm):
     assert out.token_ids == [] and out.finish_reason == "stop"
 
 
+def test_the_stop_token_that_ends_the_output_has_its_log_prob_when_they_are_asked(llm):
+    """An evaluation harness sums every generated token's log-prob, the end of sequence's too: with
+    log-probs asked, the stop token is the output's last token, with the score's entry bit for bit
+    and no text; without, it is left out as before."""
+    eos = llm.eos_token_ids[0]
+    ask = {"max_tokens": 4, "temperature": 0, "logit_bias": {eos: 100.0}}
+    (ended,) = llm.generate([PROMPT], jinfer.SamplingParams(**ask, logprobs=2))
+    assert ended.token_ids == [eos] and ended.finish_reason == "stop" and ended.text == ""
+    (scores,) = llm.score([[*PROMPT, eos]])
+    assert np.array_equal(_sampled_logprobs(ended), scores[-1:])  # raw: the bias is not in it
+    assert ended.metrics["completion_tokens"] == 1
+    (plain,) = llm.generate([PROMPT], jinfer.SamplingParams(**ask))
+    assert plain.token_ids == [] and plain.finish_reason == "stop" and plain.metrics["completion_tokens"] == 0
+    stopping = jinfer.SamplingParams(max_tokens=4, logit_bias={77: 100.0}, stop_token_ids=[77], logprobs=0)
+    assert llm.generate([PROMPT], stopping)[0].token_ids == [77]
+
+
 def test_min_tokens_holds_back_stop_tokens(llm):
     sp = jinfer.SamplingParams(
         max_tokens=6, temperature=0, logit_bias={77: 100.0}, stop_token_ids=[77], min_tokens=3
