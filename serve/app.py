@@ -41,7 +41,7 @@ from .protocol import APIError, GenerationRequest, Submission, api_param, parse_
 from .responses import ResponseWriter, WriterContext, now, usage
 from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
-from .tokens import detokenize, tokenize
+from .tokens import detokenize, tokenize, tokenizer_info
 from .webpage import PAGE_FILES, page_routes
 
 log = logging.getLogger("jinfer.serve")
@@ -311,6 +311,9 @@ class JinferAPI:
         self._check_model(body.get("model"))
         return JSONResponse(detokenize(self.tokenizer, self.engine.model_config.vocab_size, body))
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse(tokenizer_info(self.tokenizer, self.preparer.max_seq_len))
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
@@ -433,6 +436,7 @@ def _routes(api: JinferAPI) -> list:
         Route("/v1/models/{model_id:path}", api.model),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", api.tokenizer_info),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),

@@ -1,5 +1,7 @@
 """The bodies of POST /tokenize and /detokenize (vLLM's and llama.cpp's extra endpoints): a prompt
-or a conversation to its token ids, token ids back to text. Bad input raises `APIError` (400)."""
+or a conversation to its token ids, token ids back to text; and of GET /tokenizer_info (vLLM's),
+what a client needs to tokenize as the server does (lm-eval's remote tokenizer reads it). Bad
+input raises `APIError` (400)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,21 @@ def tokenize(preparer: RequestPreparer, body: dict[str, Any]) -> dict[str, Any]:
     except RequestError as e:
         raise APIError(400, str(e), param=e.param) from None
     return {"tokens": ids, "count": len(ids), "max_model_len": preparer.max_seq_len}
+
+
+def tokenizer_info(tokenizer: Tokenizer, max_seq_len: int) -> dict[str, Any]:
+    """The tokenizer's special tokens, chat template and the model's context length, in the fields
+    of a Hugging Face tokenizer config (as vLLM's /tokenizer_info gives them)."""
+    return {
+        "tokenizer_class": type(tokenizer.backend).__name__,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": None,
+        "unk_token": None,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": max_seq_len,
+        "eos_token_ids": list(tokenizer.eos_token_ids),
+    }
 
 
 def detokenize(tokenizer: Tokenizer, vocab: int, body: dict[str, Any]) -> dict[str, Any]:

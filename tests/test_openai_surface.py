@@ -292,6 +292,36 @@ def test_echo_with_logprobs_scores_the_prompt_as_llm_score_does(servers, client,
     assert streamed[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:])
 
 
+def test_the_token_that_ends_an_answer_is_scored_as_evaluation_harnesses_expect(servers, client):
+    """lm-eval's local-completions sends echo, logprobs 1, max_tokens 1 and sums token_logprobs
+    from the context's end to the last entry but one: the last must be the generated token, an end
+    of sequence too. Its remote tokenizer reads /tokenizer_info and encodes with /tokenize."""
+    info = httpx.get(servers[0] + "/tokenizer_info", headers=AUTH).json()
+    assert info["model_max_length"] == 128 and info["eos_token"] and info["chat_template"]
+    assert httpx.get(servers[0] + "/tokenizer_info").status_code == 401  # behind the API key
+    encoded = httpx.post(
+        servers[0] + "/tokenize",
+        json={"prompt": info["eos_token"], "add_special_tokens": False},
+        headers=AUTH,
+    ).json()["tokens"]
+    assert encoded == info["eos_token_ids"][:1]
+    prompt, ends = [5, 17, 42, 99, 7, 250], {str(encoded[0]): 100}
+    ask = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logit_bias": ends}
+    echoed = client.completions.create(**ask, echo=True, logprobs=1)
+    choice, scored = (
+        echoed.choices[0],
+        client.completions.create(**{**ask, "max_tokens": 0}, echo=True, logprobs=1),
+    )
+    assert choice.finish_reason == "stop" and echoed.usage.completion_tokens == 1
+    assert choice.logprobs.tokens[-1] == info["eos_token"] and len(choice.logprobs.tokens) == len(prompt) + 1
+    assert choice.text == scored.choices[0].text  # the prompt, the end adding no text
+    alone = client.completions.create(**ask, logprobs=1).choices[0].logprobs
+    assert alone.token_logprobs == choice.logprobs.token_logprobs[-1:] and alone.tokens == [info["eos_token"]]
+    quiet = client.completions.create(**ask, echo=True)  # echo without logprobs: the text, nothing counted
+    assert quiet.choices[0].text == choice.text and quiet.choices[0].logprobs is None
+    assert quiet.usage.completion_tokens == 0
+
+
 def test_the_openai_routes_answer_without_the_v1_prefix_too(servers):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     for path, body in (
