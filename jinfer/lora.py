@@ -215,7 +215,7 @@ class AdaptedWeight:
 @struct.dataclass
 class FusedPairs:
     """A stack's pairs for one weight laid out slot by slot, as jinfer's CPU kernel adds their
-    deltas in one call after the weight's product (`cpu_matmul.lora_delta`): per slot, the A of
+    deltas in one call beside the weight's product (`cpu_matmul.lora_deltas`): per slot, the A of
     the weight's projections in turn [T * rank, in] and one B [M, rank] whose row m is the B row of
     the projection output m belongs to (zeros where none does), each packed; and per packed block
     of B's rows, where its projection's rows of A x start (-1: no projection)."""

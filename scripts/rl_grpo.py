@@ -127,6 +127,7 @@ def run(args) -> list[dict]:
     options = {"max_slots": args.prompts * args.group, "max_seq_len": 256}
     options |= {"max_loras": 1, "max_lora_rank": args.rank, "quantization": "none"}
     llm = jinfer.LLM(args.model, **options)
+    llm.engine.warmup()  # every program a round may take (answers ending early take smaller ones)
     cfg = llm.engine.model_config
     policy = PolicyLogprobs(llm.engine, llm.params)
     adapter = lora.init_adapter(cfg, lora.LoraConfig(rank=args.rank), jax.random.key(args.seed))
