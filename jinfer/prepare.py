@@ -27,7 +27,7 @@ from typing import Any
 
 from jinfer.config import CONTEXT_POLICIES, MAX_LOGIT_BIAS, MAX_STOP_IDS
 from jinfer.sampling import RequestError, SamplingParams
-from jinfer.structured import CompiledGrammar, Grammars, constraint_of
+from jinfer.structured import CompiledGrammar, Grammars
 from jinfer.tokenizer import Tokenizer, TokenizerError
 from jinfer.tools import (
     Tool,
@@ -71,6 +71,41 @@ class PreparedRequest:
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
+
+
+# Names the chat template is given by jinfer itself (`Tokenizer.apply_chat_template`).
+_TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """How a chat renders beyond its messages (vLLM's fields): the assistant's turn opened after
+    them (`add_generation_prompt`), or the final assistant message continued from its last
+    character (`continue_final_message`), and variables the template reads (`variables`, vLLM's
+    `chat_template_kwargs`, such as Qwen3's `enable_thinking`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def check(self, messages: list[dict[str, Any]]) -> None:
+        """RequestError naming the field, for options that contradict each other or the chat."""
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false", name)
+        if not isinstance(self.variables, Mapping) or not all(isinstance(k, str) for k in self.variables):
+            raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+        if taken := sorted(_TEMPLATE_OWN & set(self.variables)):
+            raise RequestError(f"chat_template_kwargs may not set {taken[0]!r}", "chat_template_kwargs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                "continue_final_message continues the last message: set add_generation_prompt to false",
+                "continue_final_message",
+            )
+        if self.continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+            raise RequestError(
+                "continue_final_message needs an assistant message last", "continue_final_message"
+            )
 
 
 def check_text(value: Any, name: str) -> str:
@@ -180,22 +215,32 @@ class RequestPreparer:
         return ids
 
     def chat_ids(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Tool] = ()
+        self, messages: list[dict[str, Any]], template: ChatTemplate = ChatTemplate(), tools: list[Tool] = ()
     ) -> list[int]:
         """Token ids of validated messages (and the tools offered) through the model's chat
-        template; a template that knows no tools hears of them and of earlier calls from jinfer
-        (`jinfer.tools.conversation_for`)."""
+        template, rendered as `template` says (checked); a template that knows no tools hears of
+        them and of earlier calls from jinfer (`jinfer.tools.conversation_for`)."""
         if not self.tokenizer.chat_template:
             raise RequestError("this model has no chat template; send a plain prompt instead", "messages")
+        template.check(messages)
         native = self.template_takes_tools
         extra = {"tools": [t.openai() for t in tools]} if native and tools else {}
         messages = conversation_for(messages, list(tools), self.tool_convention, native)
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=template.add_generation_prompt, **extra, **template.variables
             )
         except TokenizerError as e:
             raise RequestError(str(e), "messages") from None
+        if template.continue_final_message:  # the text stops where the last message's content does
+            final = messages[-1]["content"]
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise RequestError(
+                    "the template does not write the final message's text", "continue_final_message"
+                )
+            text = text[: end + len(final)]
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS where wanted
 
     def policy(self, context_policy: str | None) -> str:
         policy = context_policy or self.context_policy
@@ -219,12 +264,13 @@ class RequestPreparer:
         tool_choice: Any = None,
         parallel_tool_calls: bool = True,
         adapter: str | None = None,
+        template: ChatTemplate = ChatTemplate(),
     ) -> PreparedRequest:
         """Exactly one of `prompt` (text or ids) and `messages` (a chat). `cache_salt`: prompts
         cached under it are found only by requests with the same salt (tenants that must not
         share the prefix cache, or measure each other's hits, use different salts). `tools`,
         `tool_choice`, `parallel_tool_calls`: OpenAI's, for a chat (`jinfer.tools`). `adapter`:
-        the name of a loaded adapter (the engine resolves it)."""
+        the name of a loaded adapter (the engine resolves it). `template`: how a chat renders."""
         if adapter is not None:
             check_text(adapter, "adapter")
         if (prompt is None) == (messages is None):
@@ -243,7 +289,7 @@ class RequestPreparer:
             ids, max_tokens, dropped_tokens = self._fit(self.prompt_ids(prompt), sampling.max_tokens, policy)
         else:
             ids, max_tokens, dropped_tokens, dropped_messages = self._fit_chat(
-                check_messages(messages), sampling.max_tokens, policy, offered
+                check_messages(messages), sampling.max_tokens, policy, offered, template
             )
         eos = frozenset() if sampling.ignore_eos else self.eos_token_ids
         stop_ids = frozenset(sampling.stop_token_ids or ()) | eos
@@ -279,17 +325,12 @@ class RequestPreparer:
         if choice == "none":
             return [], None, sampling
         convention = self.tool_convention
-        if choice != "auto":
-            if constraint_of(sampling) is not None:
-                raise RequestError(
-                    f"tool_choice {choice!r} already decides the output's form; "
-                    "drop response_format / regex / grammar",
-                    "tool_choice",
-                )
-            called = offered if choice == "required" else [t for t in offered if t.name == choice]
+        called = offered if choice in ("auto", "required") else [t for t in offered if t.name == choice]
+        if choice != "auto":  # the call decides the output's form, over any response_format (OpenAI's rule)
+            self.grammars.compile(sampling)  # the constraint set aside is still checked
             grammar = convention.grammar(called, parallel and choice == "required")
-            sampling = dataclasses.replace(sampling, grammar=grammar)
-        return offered, ToolUse(convention, choice), sampling
+            sampling = dataclasses.replace(sampling, json_schema=None, regex=None, grammar=grammar)
+        return offered, ToolUse(convention, choice, tuple(t.name for t in called)), sampling
 
     def _fit(self, ids: list[int], max_tokens: int | None, policy: str) -> tuple[list[int], int, int]:
         """(prompt ids, max_tokens within the window, prompt tokens dropped)."""
@@ -302,11 +343,11 @@ class RequestPreparer:
         keep = limit - wanted
         return ids[n - keep :], wanted, n - keep
 
-    def _fit_chat(self, messages, max_tokens, policy, tools) -> tuple[list[int], int, int, int]:
+    def _fit_chat(self, messages, max_tokens, policy, tools, template) -> tuple[list[int], int, int, int]:
         """`drop_oldest` removes whole messages (never system ones, never the last) until it fits."""
         dropped = 0
         while True:
-            ids = self.chat_ids(messages, tools=tools)
+            ids = self.chat_ids(messages, template, tools)
             if policy != "drop_oldest":
                 return (*self._fit(ids, max_tokens, policy), 0)
             if len(ids) + (max_tokens or 1) <= self.max_seq_len:

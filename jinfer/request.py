@@ -33,6 +33,7 @@ class RequestOutput:
     logprobs: list[dict[str, Any]] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # what ended a "stop": the stop token's id or stop string (vLLM's)
     error: str | None = None
     metrics: dict[str, Any] | None = None
 

@@ -349,7 +349,7 @@ class Scheduler:
             self._finish(request, "error", error=message, poisoned=True)
             return
         if token in request.stop_ids and len(request.output_ids) >= request.sampling.min_tokens:
-            self._finish(request, "stop", self._ending(request, token, logprob, now))
+            self._finish(request, "stop", self._ending(request, token, logprob, now), stop_token=token)
             return
         if request.constraint is not None and not request.constraint.accept(token):
             message = f"constrained decoding: token {token} is outside the {request.constraint.kind}"
@@ -384,12 +384,15 @@ class Scheduler:
         event: RequestOutput | None = None,
         error: str | None = None,
         poisoned: bool = False,
+        stop_token: int | None = None,
     ) -> None:
         event = event or RequestOutput(request.request_id)
         if reason != "error":
             event.text += request.stream.finish()
         request.finished = True
         event.finished, event.finish_reason, event.error = True, reason, error
+        if reason == "stop":
+            event.stop_reason = stop_token if stop_token is not None else request.stream.matched
         event.metrics = request.metrics(time.perf_counter())
         if request.slot is not None:
             if reason != "error":

@@ -21,6 +21,7 @@ ends with "length", never presented as complete.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import threading
 from typing import Any
@@ -139,6 +140,36 @@ def _json_nodes(value, budget: int) -> int:
     return count
 
 
+# Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_ONE_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_OPEN_KEYWORDS = ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object schema that declares `properties` but says nothing of other keys
+    closed to them (`"additionalProperties": false`), as vLLM's default grammar backend and
+    OpenAI's strict mode hold them: a model otherwise may write any key, and small ones do.
+
+    A schema that says `additionalProperties`, `unevaluatedProperties` or `patternProperties` keeps
+    what it says; `allOf` (whose parts each see only some of the keys) is left as given."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
+    for key in _ONE_SUBSCHEMA + _SUBSCHEMA_LISTS:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    return out
+
+
 def has_constraint(sampling: SamplingParams) -> bool:
     """Whether the sampling asks for a constraint (without checking it)."""
     return any(v is not None for v in (sampling.json_schema, sampling.regex, sampling.grammar))
@@ -156,7 +187,11 @@ def constraint_of(sampling: SamplingParams) -> tuple[str, str] | None:
             raise RequestError(
                 f"json_schema is larger than {MAX_CONSTRAINT_BYTES} bytes written out", "json_schema"
             )
-        key = "json_schema", schema if isinstance(schema, str) else json.dumps(schema)  # key order kept
+        if isinstance(schema, str):
+            with contextlib.suppress(ValueError):  # if not JSON, the compiler's error says so
+                schema = json.loads(schema)
+        text = schema if isinstance(schema, str) else json.dumps(closed_objects(schema))  # key order kept
+        key = "json_schema", text
     elif sampling.regex is not None:
         key = "regex", sampling.regex
     elif sampling.grammar is not None:

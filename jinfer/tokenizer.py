@@ -236,6 +236,7 @@ class TextStream:
         self.stops = stops
         self.pending = ""  # decoded but not yet emitted (might begin a stop string)
         self.stopped = False  # a stop string matched: nothing after it is ever emitted
+        self.matched: str | None = None  # the stop string that matched
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string was matched)."""
@@ -250,9 +251,10 @@ class TextStream:
         return self._release(final=True)[0]
 
     def _release(self, final: bool) -> tuple[str, bool]:
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            text, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            at, self.matched = min(hits)  # the earliest, where two match
+            text, self.pending, self.stopped = self.pending[:at], "", True
             return text, True
         hold = 0 if final else self._stop_prefix_len()
         cut = len(self.pending) - hold

@@ -12,10 +12,12 @@ The calling convention is the model's own, read from its chat template:
 
 A template that knows no tools at all (SmolLM2's) gets them from jinfer in the hermes convention:
 a system message lists the functions and says how to call them, and earlier calls and results in
-the conversation are written as hermes blocks. tool_choice "none" leaves the tools out of the
-prompt; "auto" lets the model choose and parses what it wrote; "required" or a named function
-constrains the output (`jinfer.structured`) to one call (or, with parallel_tool_calls, several)
-whose arguments validate against the function's `parameters`.
+the conversation are told in plain sentences (`conversation_for`). tool_choice "none" leaves the
+tools out of the prompt; "auto" lets the model choose and parses what it wrote; "required" or a
+named function constrains the output (`jinfer.structured`) to one call (or, with parallel_tool_calls, several)
+whose arguments validate against the function's `parameters`, holding only the keys it declares
+unless it allows more (`structured.closed_objects`). Such a call cut by max_tokens is still
+returned as a call, its arguments as far as they went.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import secrets
 from typing import Any
 
 from jinfer.sampling import RequestError
+from jinfer.structured import closed_objects
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -145,6 +148,8 @@ class Convention:
 
     name = ""
     marker = ""  # text a call starts with
+    end = ""  # text a call ends with, if any
+    arguments_key = "arguments"
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -157,16 +162,22 @@ class Convention:
 
     @staticmethod
     def _call_schema(tools: list[Tool], arguments_key: str) -> dict[str, Any]:
+        definitions: dict[str, Any] = {}
         variants = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, arguments_key: t.parameters},
+                "properties": {
+                    "name": {"const": t.name},
+                    arguments_key: _hoisted(closed_objects(t.parameters), t.name, definitions),
+                },
                 "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
             for t in tools
         ]
         schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+        if definitions:
+            schema["$defs"] = definitions
         return {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact, as response_format's
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
@@ -175,6 +186,94 @@ class Convention:
     def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
         """(content before the calls, the calls), or None when `text` holds no well-formed call."""
         raise NotImplementedError
+
+    def read_cut(self, text: str, names: tuple[str, ...]) -> list[ToolCall]:
+        """The calls of a required-call output (this convention's grammar wrote it) cut short: those
+        written whole, then the one cut, its arguments text as far as it went, when its name can
+        be told (written whole, or the start of only one of `names`: an output cut before its first
+        name is a call of the one function it may call, with no arguments yet)."""
+        calls, at, decoder = [], 0, json.JSONDecoder()
+        while True:
+            at = self._past_separators(text, at)
+            if not calls and self.marker.startswith(text[at:]):  # cut before its first call's object
+                cut = self._cut_call("", names)
+                return [cut] if cut is not None else []
+            if at == len(text) or text[at] != "{":
+                return calls
+            try:
+                value, at = decoder.raw_decode(text, at)
+            except ValueError:
+                cut = self._cut_call(text[at:], names)
+                return calls + ([cut] if cut is not None else [])
+            whole = _calls_of([value], self.arguments_key)
+            if whole is None:
+                return calls
+            calls += whole
+
+    def _past_separators(self, text: str, at: int) -> int:
+        """Where the next call may start: past blanks, list punctuation and the call markers."""
+        while at < len(text):
+            if skip := next((m for m in (self.marker, self.end) if m and text.startswith(m, at)), ""):
+                at += len(skip)
+            elif text[at] in " \t\r\n,[]":
+                at += 1
+            else:
+                break
+        return at
+
+    def _cut_call(self, text: str, names: tuple[str, ...]) -> ToolCall | None:
+        arguments_start = f',"{self.arguments_key}":'
+        head = re.match(r'\{"name":"((?:[^"\\]|\\.)*)(?:(")(?:' + arguments_start + r"(.*))?)?", text, re.S)
+        written, closed, arguments = head.groups() if head else ("", None, None)
+        if head is None and not '{"name":"'.startswith(text):
+            return None
+        try:
+            name = json.loads(f'"{written}"')
+        except ValueError:  # cut inside an escape
+            return None
+        if not closed:
+            matching = [n for n in names if n.startswith(name)]
+            if len(matching) != 1:
+                return None
+            name = matching[0]
+        return ToolCall(name, arguments or "")
+
+
+def _hoisted(parameters: dict[str, Any], name: str, definitions: dict[str, Any]) -> dict[str, Any]:
+    """A function's `parameters` as part of a call schema, whose root is not theirs: their
+    `$defs` / `definitions` move into `definitions` (the call schema's own `$defs`) as
+    "<name>.<definition>", the parameters themselves as "<name>", and each `$ref` is pointed there
+    ("#/$defs/X/..." -> "#/$defs/<name>.X/...", any other "#..." -> "#/$defs/<name>...")."""
+    own = {
+        k: v
+        for key in ("definitions", "$defs")
+        if isinstance(parameters.get(key), dict)
+        for k, v in parameters[key].items()
+    }
+    if not own and not _has_ref(parameters):
+        return parameters
+
+    def point(value):
+        if isinstance(value, list):
+            return [point(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        out = {key: point(v) for key, v in value.items() if key not in ("$defs", "definitions")}
+        ref = value.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            inner = re.match(r"#/(?:\$defs|definitions)/([^/]+)(.*)", ref)
+            out["$ref"] = f"#/$defs/{name}.{inner[1]}{inner[2]}" if inner else f"#/$defs/{name}{ref[1:]}"
+        return out
+
+    definitions.update({f"{name}.{key}": point(schema) for key, schema in own.items()})
+    definitions[name] = point(parameters)
+    return definitions[name]
+
+
+def _has_ref(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "$ref" in value or any(_has_ref(v) for v in value.values())
+    return isinstance(value, list) and any(_has_ref(v) for v in value)
 
 
 def _decode_objects(text: str) -> list[Any] | None:
@@ -243,7 +342,7 @@ class Hermes(Convention):
 
 
 class Llama3(Convention):
-    name, marker = "llama3", "<|python_tag|>"
+    name, marker, arguments_key = "llama3", "<|python_tag|>", "parameters"
 
     def grammar(self, tools, parallel):  # one call per turn in this convention
         return f"start: body\nbody: %json {json.dumps(self._call_schema(tools, 'parameters'))}\n"
@@ -263,6 +362,8 @@ class Mistral(Convention):
     def grammar(self, tools, parallel):
         call = self._call_schema(tools, "arguments")
         schema = {"type": "array", "items": call, "minItems": 1, "x-guidance": call.pop("x-guidance")}
+        if "$defs" in call:  # references are from the root
+            schema["$defs"] = call.pop("$defs")
         if not parallel:
             schema["maxItems"] = 1
         return f"start: {self._literal(self.marker)} body\nbody: %json {json.dumps(schema)}\n"
@@ -296,13 +397,21 @@ class ToolUse:
 
     convention: Convention
     choice: str  # "auto", "required" or a function name ("none" makes no ToolUse)
+    names: tuple[str, ...] = ()  # the functions it may call
 
     @property
     def calls_only(self) -> bool:
         return self.choice != "auto"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
-        return self.convention.parse(text)
+    def read(self, text: str, reason: str) -> tuple[str, list[ToolCall]]:
+        """A finished output's content and calls: the calls of an output that stopped with
+        well-formed ones; a required call cut by max_tokens as far as it went (its text is the
+        call's markup, never content); else the text as it is."""
+        if reason == "stop":
+            return self.convention.parse(text) or (text, [])
+        if reason == "length" and self.calls_only:
+            return "", self.convention.read_cut(text, self.names)
+        return text, []
 
 
 def finish_reason(reason: str, calls) -> str:
@@ -311,17 +420,18 @@ def finish_reason(reason: str, calls) -> str:
 
 
 def finish_output(tool_use: ToolUse | None, text: str, reason: str) -> tuple[str, list[ToolCall], str]:
-    """A finished output as its content, its tool calls (parsed out of an output that stopped with
-    well-formed calls; else none) and its finish reason (`finish_reason`)."""
-    parsed = tool_use.parse(text) if tool_use is not None and reason == "stop" else None
-    content, calls = parsed if parsed is not None else (text, [])
+    """A finished output as its content, its tool calls (`ToolUse.read`) and its finish reason
+    (`finish_reason`)."""
+    content, calls = tool_use.read(text, reason) if tool_use is not None else (text, [])
     return content, calls, finish_reason(reason, calls)
 
 
 def conversation_for(messages: list[dict[str, Any]], tools: list[Tool], convention: Convention, native: bool):
     """Messages (checked, with `tool_calls` and `tool_call_id` kept) as the template should see
     them: untouched for a template that takes tools, else with the tools in a system message and
-    earlier calls and results written in the hermes convention."""
+    earlier calls and results told in plain sentences ("I called f with {...}.", "It returned:
+    ..."). Written as call blocks and <tool_response> wrappers instead, a small model copies the
+    wrapper or the call back as its answer."""
     if native:
         return messages
     out = []
@@ -332,20 +442,20 @@ def conversation_for(messages: list[dict[str, Any]], tools: list[Tool], conventi
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": prompt})
+    called: dict[str, str] = {}  # the last turn's calls: id -> function name
     for message in messages:
         if message["role"] == "assistant" and message.get("tool_calls"):
-            blocks = [
-                "<tool_call>\n"
-                + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                + "\n</tool_call>"
-                for c in message["tool_calls"]
+            calls = message["tool_calls"]
+            called = {c["id"]: c["function"]["name"] for c in calls}
+            said = [
+                f"I called {c['function']['name']} with {json.dumps(c['function']['arguments'])}."
+                for c in calls
             ]
-            text = "\n".join(([message["content"]] if message["content"] else []) + blocks)
+            text = " ".join(([message["content"]] if message["content"] else []) + said)
             out.append({"role": "assistant", "content": text})
         elif message["role"] == "tool":
-            out.append(
-                {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
-            )
+            name = "It" if len(called) <= 1 else called.get(message.get("tool_call_id"), "The function")
+            out.append({"role": "user", "content": f"{name} returned: {message['content']}"})
         else:
             out.append({"role": message["role"], "content": message["content"]})
     return out
@@ -398,11 +508,10 @@ class ToolStream:
         )
         return text
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the end: (content still to send, the calls)."""
+    def finish(self, reason: str) -> tuple[str, list[ToolCall]]:
+        """At the end of an output that finished for `reason`: (content still to send, the calls)."""
         held, self.pending = self.pending, ""
-        parsed = self.use.parse(held) if self.mode == "calls" else None
-        return (held, []) if parsed is None else parsed
+        return self.use.read(held, reason) if self.mode == "calls" else (held, [])
 
 
 ARGUMENT_FRAGMENT = 32  # characters of arguments per streamed delta

@@ -36,8 +36,12 @@ from jinfer.scheduler import QueueFullError
 from jinfer.structured import has_constraint
 
 from .admin import admin_routes
+from .anthropic_api import MessagesWriter, count_tokens, is_anthropic_path
+from .anthropic_api import chat_body as messages_chat_body
+from .anthropic_api import error_body as anthropic_error_body
 from .bridge import EngineBridge
 from .protocol import APIError, GenerationRequest, Submission, api_param, parse_generation, parse_json_object
+from .request_ids import RequestIdMiddleware
 from .responses import ResponseWriter, WriterContext, now, usage
 from .responses_api import ResponsesWriter, chat_body
 from .settings import ServerConfig
@@ -65,7 +69,8 @@ class AuthMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
             return
-        response = _error_response(APIError(401, "invalid or missing API key", code="invalid_api_key"))
+        error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+        response = _error_response(error, scope["path"])
         await response(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
@@ -83,8 +88,10 @@ def _event_stream(events) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def _error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API its route belongs to (Anthropic's or OpenAI's)."""
+    body = anthropic_error_body(error) if is_anthropic_path(path) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 class JinferAPI:
@@ -113,6 +120,7 @@ class JinferAPI:
         self.bridge: EngineBridge | None = None  # created on the event loop at startup
         self.writer: ResponseWriter | None = None  # ... and the writers, which cancel through it
         self.responses_writer: ResponsesWriter | None = None
+        self.messages_writer: MessagesWriter | None = None
         self.metrics = ServingMetrics(engine.stats, lambda: engine.dispatch_counts)
         self.ready = False
         self.draining = False
@@ -128,6 +136,7 @@ class JinferAPI:
         )
         self.writer = ResponseWriter(context)
         self.responses_writer = ResponsesWriter(context, self.writer)
+        self.messages_writer = MessagesWriter(context, self.writer)
         self._warmup = asyncio.create_task(self._warm_up())
 
     async def _warm_up(self) -> None:
@@ -211,8 +220,10 @@ class JinferAPI:
                 "adapter": req.adapter,
             }
             if req.kind == "chat":
-                tools = {n: getattr(req, n) for n in ("tools", "tool_choice", "parallel_tool_calls")}
-                return [self.preparer.prepare(messages=req.messages, **options, **tools)]
+                chat = {
+                    n: getattr(req, n) for n in ("tools", "tool_choice", "parallel_tool_calls", "template")
+                }
+                return [self.preparer.prepare(messages=req.messages, **options, **chat)]
             return [self.preparer.prepare(prompt, **options) for prompt in req.prompts]
         except ContextLengthError as e:
             param = "messages" if req.kind == "chat" else "prompt"
@@ -252,6 +263,9 @@ class JinferAPI:
             for request_id in opened:
                 self.bridge.cancel(request_id)
             raise
+        log.info(
+            "%s: %d choices of %s prompt tokens", req.kind, req.choices, [len(p.prompt_ids) for p in prepared]
+        )
         return Submission(opened, [p.prompt_ids for p in prepared], seed, prepared[0].tools)
 
     # ------------------------------------------------------------------------ handlers
@@ -342,6 +356,20 @@ class JinferAPI:
             return _event_stream(self.responses_writer.response_events(req, body, queue, submitted))
         return await self.responses_writer.respond(request, req, body, queue, submitted)
 
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API, as a chat (serve/anthropic_api.py)."""
+        self._check_serving()
+        req = self._parsed(messages_chat_body(await self._body(request)), "chat")
+        queue: asyncio.Queue = asyncio.Queue()
+        submitted = self._open_all(req, await self._prepared(req), queue)
+        if req.stream:
+            return _event_stream(self.messages_writer.events(req, queue, submitted))
+        return await self.messages_writer.respond(request, req, queue, submitted)
+
+    async def count_tokens(self, request: Request) -> Response:
+        chat = messages_chat_body(await self._body(request), counting=True)
+        return JSONResponse(count_tokens(self.preparer, self._parsed(chat, "chat")))
+
     # ----------------------------------------------------------------------- websocket
     async def websocket(self, ws: WebSocket) -> None:
         """Messages in: {"type": "completion"|"chat", "id": ..., ...body} and {"type": "cancel", "id": ...}.
@@ -413,18 +441,19 @@ class JinferAPI:
 
 
 async def _api_error(request, exc: APIError):
-    return _error_response(exc)
+    return _error_response(exc, request.url.path)
 
 
 async def _http_error(request, exc: HTTPException):
     status = exc.status_code
     message = f"no route for {request.method} {request.url.path}" if status in (404, 405) else exc.detail
-    return _error_response(APIError(status, message, code="not_found" if status == 404 else None))
+    error = APIError(status, message, code="not_found" if status == 404 else None)
+    return _error_response(error, request.url.path)
 
 
 async def _unexpected(request, exc: Exception):
     log.exception("unhandled error")
-    return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+    return _error_response(APIError(500, f"internal error: {type(exc).__name__}"), request.url.path)
 
 
 def _routes(api: JinferAPI) -> list:
@@ -440,6 +469,8 @@ def _routes(api: JinferAPI) -> list:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         *admin_routes(api),
         # The same without /v1, as llama.cpp's server also answers them (and clients send them).
         Route("/models", api.models),
@@ -479,10 +510,15 @@ def build_app(
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
     )
     app.add_middleware(AuthMiddleware, keys=api_keys, open_paths=open_paths)
+    app.add_middleware(RequestIdMiddleware)  # outside the key check: a refused request has an id too
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no key
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
         methods, headers = ["GET", "POST", "OPTIONS"], ["Authorization", "Content-Type", "X-API-Key"]
         app.add_middleware(
-            CORSMiddleware, allow_origins=origins, allow_methods=methods, allow_headers=headers
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=methods,
+            allow_headers=[*headers, "X-Request-Id"],
+            expose_headers=["X-Request-Id"],
         )
     return app, api

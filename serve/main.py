@@ -32,6 +32,7 @@ import uvicorn
 from jinfer.config import EngineConfig
 from jinfer.options import add_flags, check_keys, given, preset_names, read_toml, typed
 
+from .request_ids import LOG_FORMAT, tag_log_records
 from .settings import ServerConfig
 
 log = logging.getLogger("jinfer.serve")
@@ -171,9 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             keys = api_keys(server)
         except (ValueError, OSError) as e:
             raise StartError(e) from None
-        logging.basicConfig(
-            level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        logging.basicConfig(level=server.log_level.upper(), format=LOG_FORMAT)
+        tag_log_records()
         adapters = _adapter_paths(args.lora)
         if len(adapters) > engine_config.max_loras:
             engine_config = dataclasses.replace(engine_config, max_loras=len(adapters))

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from typing import Any, NamedTuple
 
+from jinfer.prepare import ChatTemplate
 from jinfer.sampling import RequestError, SamplingParams
 
 
@@ -161,6 +162,7 @@ class GenerationRequest:
     parallel_tool_calls: Any = True
     score_only: bool = False  # completions: echo with max_tokens 0, the prompt scored, nothing generated
     adapter: str | None = None  # the loaded adapter its `model` names (the server resolves it), or None
+    template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # chat: how it renders
 
     @property
     def choices(self) -> int:
@@ -197,40 +199,97 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f
 
 
 def _constraint(body) -> dict[str, Any]:
-    """SamplingParams' constraint fields from OpenAI's `response_format` ({"type": "text"},
-    {"type": "json_object"}: any JSON object, {"type": "json_schema", "json_schema": {"name",
-    "schema", "strict"}}: JSON valid against the schema, which is always enforced) and jinfer's
-    own `regex` and `grammar` (Lark or GBNF) fields."""
-    out = {name: body[name] for name in ("regex", "grammar") if body.get(name) is not None}
-    response_format = body.get("response_format")
-    if response_format is None:
-        return out
-    if not isinstance(response_format, dict):
-        raise APIError(400, "'response_format' must be an object with a 'type'", param="response_format")
-    kind = response_format.get("type")
+    """SamplingParams' constraint fields from OpenAI's `response_format`, jinfer's own `regex` and
+    `grammar` (Lark or GBNF) fields, or vLLM's spellings (`_vllm_constraint`): one of them."""
+    given = {name: {name: body[name]} for name in ("regex", "grammar") if body.get(name) is not None}
+    if fields := _response_format(body.get("response_format")):
+        given["response_format"] = fields
+    given |= _vllm_constraint(body)
+    if len(given) > 1:
+        names = ", ".join(repr(name) for name in given)
+        raise APIError(400, f"give one output constraint, not {names}", param=list(given)[1])
+    return next(iter(given.values()), {})
+
+
+def _response_format(value) -> dict[str, Any] | None:
+    """OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"}: any JSON object,
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}: JSON valid
+    against the schema, which is always enforced. Keys a type does not have are a 400."""
+    if value is None:
+        return None
+    fail = lambda message: APIError(400, f"'response_format{message}", param="response_format")
+    if not isinstance(value, dict):
+        raise fail("' must be an object with a 'type'")
+    kind = value.get("type")
+    keys = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}.get(kind)
+    if keys is None:
+        raise fail(f".type' must be text, json_object or json_schema, got {str(kind)[:40]!r}")
+    if unknown := sorted(set(value) - keys):
+        raise fail(f"' of type {kind} has no field {unknown[0][:40]!r}")
+    if kind == "text":
+        return None
     if kind == "json_object":
-        out["json_schema"] = {"type": "object"}
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        return {"json_schema": {"type": "object"}}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise fail(".json_schema' must be an object with a 'name' and a 'schema'")
+    if unknown := sorted(set(spec) - {"name", "schema", "strict", "description"}):
+        raise fail(f".json_schema' has no field {unknown[0][:40]!r}")
+    if not isinstance(spec.get("strict", False), bool | None) or not isinstance(
+        spec.get("description", ""), str
+    ):
+        raise fail(".json_schema': 'strict' must be a boolean and 'description' a string")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise fail(".json_schema.schema' must be an object")
+    return {"json_schema": schema}
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_STRUCTURED_OUTPUTS = {"json", "regex", "choice", "grammar", "json_object"}
+
+
+def _vllm_constraint(body) -> dict[str, dict[str, Any]]:
+    """vLLM's constraint fields, by the field that gave one: `guided_json` / `guided_regex` /
+    `guided_choice` / `guided_grammar`, and `structured_outputs` {"json" | "regex" | "choice" |
+    "grammar" | "json_object"}, as SamplingParams' fields. A choice is a grammar of its strings."""
+    given = {name: (name[7:], body[name]) for name in _GUIDED if body.get(name) is not None}
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict) or set(outputs) - _STRUCTURED_OUTPUTS:
+            keys = ", ".join(sorted(_STRUCTURED_OUTPUTS))
             raise APIError(
-                400,
-                "'response_format.json_schema' must be an object with a 'name' and a 'schema'",
-                param="response_format",
+                400, f"'structured_outputs' must be an object of {keys}", param="structured_outputs"
             )
-        schema = spec.get("schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise APIError(
-                400, "'response_format.json_schema.schema' must be an object", param="response_format"
-            )
-        out["json_schema"] = schema
-    elif kind != "text":
-        raise APIError(
-            400,
-            f"'response_format.type' must be text, json_object or json_schema, got {str(kind)[:40]!r}",
-            param="response_format",
-        )
-    return out
+        chosen = [(kind, v) for kind, v in outputs.items() if v is not None and v is not False]
+        if len(chosen) > 1:
+            raise APIError(400, "'structured_outputs' takes one constraint", param="structured_outputs")
+        given |= {"structured_outputs": chosen[0]} if chosen else {}
+    return {name: _vllm_fields(name, kind, value) for name, (kind, value) in given.items()}
+
+
+def _vllm_fields(name: str, kind: str, value) -> dict[str, Any]:
+    fail = lambda shape: APIError(400, f"'{name}' ({kind}) must be {shape}", param=name)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise fail("a JSON schema (an object, or its JSON text)") from None
+        if not isinstance(value, dict):
+            raise fail("a JSON schema (an object, or its JSON text)")
+        return {"json_schema": value}
+    if kind == "json_object":
+        if value is not True:
+            raise fail("true")
+        return {"json_schema": {"type": "object"}}
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise fail("a non-empty list of non-empty strings")
+        return {"grammar": "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)}
+    if not isinstance(value, str):
+        raise fail("a string")
+    return {kind: value}
 
 
 # Every body field a door reads; anything else is a 400 naming it (never silently ignored).
@@ -239,12 +298,16 @@ _COMMON_FIELDS = {
     "response_format",
     # jinfer's own
     "top_k", "regex", "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt",
+    # vLLM's constraint spellings (`_vllm_constraint`)
+    *_GUIDED, "structured_outputs",
     *_SAMPLING_FIELDS,
 }  # fmt: skip
 _FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
     "chat": _COMMON_FIELDS
     | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+    | {"reasoning_effort", "verbosity"}  # checked; no effect on a model that does not reason
+    | {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}  # vLLM's
     | {"functions", "function_call"},  # refused with a pointer to tools
 }
 # OpenAI fields that change nothing in jinfer: accepted (nothing is stored, there is one tier).
@@ -254,7 +317,6 @@ NO_EFFECT_FIELDS = {"metadata", "store", "service_tier", "prompt_cache_key", "sa
 NEUTRAL_VALUES = {
     "modalities": ["text"],
     "no_stop_trim": False,
-    "continue_final_message": False,
     "return_hidden_states": False,
     "skip_special_tokens": True,
     "separate_reasoning": True,  # no effect without a reasoning parser, and jinfer has none
@@ -307,6 +369,7 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
     session = _session_fields(body)
     _check_tool_fields(body, kind)
+    _check_reasoning_fields(body)
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -322,6 +385,7 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         tools=body.get("tools"),
         tool_choice=body.get("tool_choice"),
         parallel_tool_calls=body.get("parallel_tool_calls", True),
+        template=_chat_template(body) if kind == "chat" else ChatTemplate(),
         **session,
     )
 
@@ -398,6 +462,30 @@ def _check_tool_fields(body: dict[str, Any], kind: str) -> None:
     tool_fields = ("tools", "tool_choice", "parallel_tool_calls")
     if kind == "completion" and any(body.get(name) is not None for name in tool_fields):
         raise APIError(400, "tools are for /v1/chat/completions", param="tools")
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+VERBOSITIES = ("low", "medium", "high")
+
+
+def _check_reasoning_fields(body: dict[str, Any]) -> None:
+    """OpenAI's `reasoning_effort` and `verbosity`, checked (a model that does not reason, and
+    writes as it writes, does the same at every value)."""
+    for name, values in (("reasoning_effort", REASONING_EFFORTS), ("verbosity", VERBOSITIES)):
+        if body.get(name) is not None and body[name] not in values:
+            raise APIError(400, f"'{name}' must be one of {', '.join(values)}", param=name)
+
+
+def _chat_template(body: dict[str, Any]) -> ChatTemplate:
+    """vLLM's rendering fields (checked, with the messages, by `ChatTemplate.check`)."""
+    given = {
+        "add_generation_prompt": body.get("add_generation_prompt"),
+        "continue_final_message": body.get("continue_final_message"),
+        "variables": body.get("chat_template_kwargs"),
+    }
+    if given["continue_final_message"] and given["add_generation_prompt"] is None:
+        given["add_generation_prompt"] = False  # vLLM's users send only continue_final_message
+    return ChatTemplate(**{name: value for name, value in given.items() if value is not None})
 
 
 def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:

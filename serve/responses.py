@@ -189,10 +189,10 @@ class StreamedChoice:
             return []
         self.final, reason, lines = event, event.finish_reason, []
         if self.tools is not None:
-            rest, calls = self.tools.finish()
+            rest, calls = self.tools.finish(reason)
             self.text.append(rest)
             reason = finish_reason(reason, calls)
-            if reason == "tool_calls":
+            if calls:
                 lines += self.flush(index, writer)
                 lines += [writer.chunk(index, calls=[delta]) for delta in tool_call_deltas(calls)]
         lines += self.flush(index, writer)

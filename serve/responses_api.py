@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from jinfer.tools import ToolStream, finish_output, finish_reason
+from jinfer.tools import ToolStream, finish_output
 
 from .protocol import NO_EFFECT_FIELDS, APIError, Submission
 from .responses import SSE_KEEPALIVE, ResponseWriter, WriterContext, now
@@ -28,7 +28,6 @@ REFUSED = {
     "previous_response_id": "responses are not stored: send the whole conversation as input",
     "conversation": "conversations are not stored: send the whole conversation as input",
     "background": "background responses are not supported",
-    "reasoning": "reasoning settings are not supported",
     "include": "no extra output to include is supported",
 }
 PASSED = ("temperature", "top_p", "stream", "user", "parallel_tool_calls", "seed", "top_k", "min_p")
@@ -39,6 +38,7 @@ TRANSLATED = (
     "max_output_tokens",
     "truncation",
     "text",
+    "reasoning",
     "tools",
     "tool_choice",
 )
@@ -152,7 +152,20 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None and (chat.get("tools") or choice != "auto"):
         chat["tool_choice"] = choice
-    return chat
+    return chat | _reasoning_fields(body)
+
+
+def _reasoning_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """`reasoning.effort` and `text.verbosity` as the chat fields they are (checked there);
+    `reasoning.summary` is accepted: a model that does not reason has nothing to summarise."""
+    reasoning, text = body.get("reasoning"), body.get("text")
+    if reasoning is not None and (
+        not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}
+    ):
+        raise APIError(400, "'reasoning' must be an object of effort and summary", param="reasoning")
+    fields = {"reasoning_effort": (reasoning or {}).get("effort")}
+    fields["verbosity"] = text.get("verbosity") if isinstance(text, dict) else None
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def _new_id(prefix: str) -> str:
@@ -338,12 +351,11 @@ class ResponsesWriter:
                     if piece.finished:
                         final = piece
                         if tool_stream is not None:
-                            rest, calls = tool_stream.finish()
+                            rest, calls = tool_stream.finish(piece.finish_reason)
                             delta += rest
                     for line in stream.text_delta(delta):
                         yield line
-            stopped_calls = calls if finish_reason(final.finish_reason, calls) == "tool_calls" else []
-            for line in stream.finish(stopped_calls):
+            for line in stream.finish(calls):
                 yield line
             status = self._status(final)
             done = self._response(

@@ -7,21 +7,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from jinfer.prepare import RequestError, RequestPreparer, check_messages, check_text
+from jinfer.prepare import ChatTemplate, RequestError, RequestPreparer, check_messages, check_text
 from jinfer.tokenizer import Tokenizer
 
 from .protocol import APIError
 
 
 def tokenize(preparer: RequestPreparer, body: dict[str, Any]) -> dict[str, Any]:
-    """{"prompt": text, "add_special_tokens"?} or {"messages", "add_generation_prompt"?} ->
-    {"tokens", "count", "max_model_len"}."""
+    """{"prompt": text, "add_special_tokens"?} or {"messages", "add_generation_prompt"?,
+    "continue_final_message"?, "chat_template_kwargs"?} -> {"tokens", "count", "max_model_len"}."""
     try:
         if "messages" in body:
-            add_prompt = body.get("add_generation_prompt", True)
-            if not isinstance(add_prompt, bool):
-                raise RequestError("add_generation_prompt must be true or false", "add_generation_prompt")
-            ids = preparer.chat_ids(check_messages(body["messages"]), add_prompt)
+            template = ChatTemplate(
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False),
+                variables=body.get("chat_template_kwargs") or {},
+            )
+            ids = preparer.chat_ids(check_messages(body["messages"]), template)
         elif isinstance(body.get("prompt"), str):
             add_special = body.get("add_special_tokens", True)
             if not isinstance(add_special, bool):

@@ -1,4 +1,4 @@
-"""Malformed and hostile requests on a live server: every one a 4xx in OpenAI's error shape, the
+"""Malformed and hostile requests on a live server: every one a 4xx in its API's error shape, the
 streams running beside them unaffected, the server serving afterwards; and the start-up order
 (port first, /ready 503 while warming up)."""
 
@@ -20,6 +20,13 @@ HUGE = "9" * 5000  # past Python's 4300-digit limit for int()
 
 def _chat(content, **extra):
     return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra})
+
+
+def _message(content: str, max_tokens=2, **extra) -> bytes:
+    """An Anthropic Messages body whose one user message has `content` (raw JSON text)."""
+    fields = "".join(f', "{k}": {v if isinstance(v, str) else json.dumps(v)}' for k, v in extra.items())
+    limit = "" if max_tokens is None else f'"max_tokens": {max_tokens}, '
+    return f'{{{limit}"messages": [{{"role": "user", "content": {content}}}]{fields}}}'.encode()
 
 
 # (method, path, raw body or None) for each class of bad request.
@@ -99,6 +106,40 @@ HOSTILE = {
         b'{"prompt": "x", "add_special_tokens": "no"}',
     ),
     "GET on a POST route": ("GET", "/v1/completions", None),
+    # Anthropic's Messages routes: the same checks, answered in Anthropic's error shape.
+    "messages: surrogate in text": ("POST", "/v1/messages", _message('"\\ud800"')),
+    "messages: deep nesting": (
+        "POST",
+        "/v1/messages",
+        DEEP.replace(b'"prompt"', b'"max_tokens": 2, "messages"'),
+    ),
+    "messages: max_tokens past int32": ("POST", "/v1/messages", _message('"x"', max_tokens=4294967296)),
+    "messages: no max_tokens": ("POST", "/v1/messages", _message('"x"', max_tokens=None)),
+    "messages: a system role": (
+        "POST",
+        "/v1/messages",
+        b'{"max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}',
+    ),
+    "messages: an unknown block": ("POST", "/v1/messages", _message('[{"type": "video"}]')),
+    "messages: a tool_result without its id": (
+        "POST",
+        "/v1/messages",
+        _message('[{"type": "tool_result", "tool_use_id": 5, "content": "x"}]'),
+    ),
+    "messages: tool input not an object": (
+        "POST",
+        "/v1/messages",
+        b'{"max_tokens": 2, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content":'
+        b' [{"type": "tool_use", "id": "a", "name": "f", "input": [1]}]}]}',
+    ),
+    "messages: a server tool": (
+        "POST",
+        "/v1/messages",
+        _message('"x"', tools=[{"type": "bash_20250124", "name": "bash"}]),
+    ),
+    "messages: 400 digits as temperature": ("POST", "/v1/messages", _message('"x"', temperature=BIG)),
+    "count_tokens: messages not a list": ("POST", "/v1/messages/count_tokens", b'{"messages": "hi"}'),
+    "GET on the messages route": ("GET", "/v1/messages", None),
 }
 
 
@@ -172,13 +213,20 @@ def test_every_hostile_request_is_a_4xx_and_streams_beside_it_are_unaffected(ser
         t.join()
     for name, r in answers.items():
         assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
-        error = r.json()["error"]
+        body = r.json()
+        if HOSTILE[name][1].startswith("/v1/messages"):  # Anthropic's shape
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, (name, body)
+            assert body["error"]["type"] != "api_error" and body["error"]["message"], (name, body)
+            continue
+        error = body["error"]
         assert set(error) == {"message", "type", "param", "code"}, name
         assert error["type"] != "server_error" and error["message"], (name, error)
     assert answers["GET on a POST route"].status_code == 405
     assert answers["deep nesting"].json()["error"]["code"] == "invalid_json"
     assert answers["top_k past int32"].json()["error"]["param"] == "top_k"
     assert answers["unknown role"].json()["error"]["param"] == "messages"
+    assert answers["GET on the messages route"].status_code == 405
+    assert answers["messages: deep nesting"].json()["error"]["type"] == "invalid_request_error"
     assert beside == {0: solo[0], 1: solo[1]}  # the streams beside the barrage: token for token
     metrics = httpx.get(server + "/metrics", headers=AUTH).text
     assert (

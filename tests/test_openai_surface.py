@@ -3,6 +3,8 @@ model lookup, usage details, the stream's finish chunk, fields jinfer refuses ra
 content parts, CORS, and the reproducibility record (system_fingerprint, and the seed an unseeded
 request was given)."""
 
+import json
+
 import httpx
 import numpy as np
 import openai
@@ -14,14 +16,15 @@ ORIGIN = "http://app.example"
 
 @pytest.fixture(scope="module")
 def servers(tiny_model):
-    """Two servers of the same model and settings, the second also allowing ORIGIN (CORS)."""
+    """Two servers of the same model and settings, the second also allowing ORIGIN (CORS), and the
+    first one's log file."""
     path = tiny_model("llama_gqa_untied")[0]
     options = [*TINY_OPTIONS, "--max-queue", "8"]  # room for a request's choices past the 2 slots
     with (
-        running_server(path, *options) as (first, _),
+        running_server(path, *options) as (first, process),
         running_server(path, *options, "--cors-origins", ORIGIN) as (second, _),
     ):
-        yield first, second
+        yield first, second, process.log_path
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,10 @@ def test_usage_details_and_the_empty_finish_delta(client):
     assert last.finish_reason == "length" and last.delta.content is None and last.delta.tool_calls is None
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
     texts = [
-        c.choices[0] for c in client.completions.create(model="tiny", prompt="Hi", max_tokens=4, stream=True)
+        c.choices[0]
+        for c in client.completions.create(
+            model="tiny", prompt="Hi", max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
     ]
     assert texts[-1].text == "" and texts[-1].finish_reason == "length"
 
@@ -249,6 +255,31 @@ def test_a_list_of_prompts_gets_n_choices_each_in_order(client):
         ("/v1/completions", {"top_logprobs": 2}, 400),  # a chat field on the legacy endpoint
         ("/v1/chat/completions", {"modalities": ["text"], "metadata": {"k": "v"}, "store": True}, 200),
         ("/v1/completions", {"service_tier": "auto", "user": "u1"}, 200),
+        ("/v1/chat/completions", {"reasoning_effort": "low", "verbosity": "high"}, 200),
+        ("/v1/chat/completions", {"reasoning_effort": "max"}, 400),
+        ("/v1/chat/completions", {"verbosity": 3}, 400),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, 200),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, 400),
+        ("/v1/chat/completions", {"add_generation_prompt": "yes"}, 400),
+        ("/v1/chat/completions", {"continue_final_message": True}, 400),  # the last message is the user's
+        ("/v1/completions", {"chat_template_kwargs": {}}, 400),  # chats only
+        ("/v1/chat/completions", {"response_format": {"type": "json_object", "schema": 123}}, 400),
+        ("/v1/chat/completions", {"response_format": {"type": "text", "json_schema": {}}}, 400),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "strict": 1},
+                }
+            },
+            400,
+        ),
+        ("/v1/chat/completions", {"guided_choice": []}, 400),
+        ("/v1/chat/completions", {"guided_json": "{not json"}, 400),
+        ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, 400),
+        ("/v1/completions", {"structured_outputs": {"shape": "a"}}, 400),
+        ("/v1/completions", {"regex": "a+", "guided_regex": "b+"}, 400),  # two constraints
     ],
 )
 def test_unknown_fields_are_400s_and_no_effect_fields_are_accepted(servers, path, extra, status):
@@ -258,7 +289,41 @@ def test_unknown_fields_are_400s_and_no_effect_fields_are_accepted(servers, path
     )
     assert reply.status_code == status, reply.text
     if status == 400:
-        assert reply.json()["error"]["param"] == next(iter(extra))
+        assert reply.json()["error"]["param"] == list(extra)[-1]
+
+
+def test_vllm_constraint_fields_hold_the_output_as_their_jinfer_spellings_do(servers, client):
+    ask = {"model": "tiny", "prompt": "Pick", "max_tokens": 12, "temperature": 1.0}
+    choices = ["red", 'say "hi"', "é\\n"]
+    for seed in range(6):
+        for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+            text = client.completions.create(**ask, seed=seed, extra_body=extra).choices[0].text
+            assert text in choices
+        regex = client.completions.create(**ask, seed=seed, extra_body={"guided_regex": "[ab]{3}"}).choices[0]
+        own = client.completions.create(**ask, seed=seed, extra_body={"regex": "[ab]{3}"}).choices[0]
+        assert regex.text == own.text and len(regex.text) == 3
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        for extra in ({"guided_json": schema}, {"structured_outputs": {"json": json.dumps(schema)}}):
+            answer = client.completions.create(**ask | {"max_tokens": 40}, seed=seed, extra_body=extra)
+            if answer.choices[0].finish_reason == "stop":
+                assert set(json.loads(answer.choices[0].text)) == {"n"}  # closed: no other key
+
+
+def test_a_request_id_is_answered_and_tags_the_logs(servers):
+    base, log_path = servers[0], servers[2]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    given = httpx.post(base + "/v1/completions", json=body, headers=AUTH | {"X-Request-Id": "trace-42"})
+    assert given.headers["x-request-id"] == "trace-42"
+    fresh = httpx.post(base + "/v1/completions", json=body, headers=AUTH)
+    made = fresh.headers["x-request-id"]
+    assert len(made) == 32 and made != "trace-42"
+    forged = httpx.post(base + "/v1/completions", json=body, headers=AUTH | {"X-Request-Id": "a b\tc"})
+    assert forged.headers["x-request-id"] not in ("a b\tc", made)  # blanks could forge a log line
+    refused = httpx.post(base + "/v1/completions", json=body, headers={"X-Request-Id": "no-key"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "no-key"
+    with open(log_path) as log:
+        logged = log.read()
+    assert "[trace-42]: completion: 1 choices" in logged and f"[{made}]: completion" in logged
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_llm_score_does(servers, client, tiny_model):

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -40,17 +41,21 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def running_server(model: str, *extra: str, timeout: float = 300, until: str = "/ready"):
     """A `jinfer serve` process, yielded (base URL, process) once `until` answers 200 (/health: as
-    soon as it serves, still warming up)."""
+    soon as it serves, still warming up). Its log (stderr) goes to a file, `proc.log_path`: a pipe
+    nobody reads would fill, and the server would stop at its next log line."""
     port = _free_port()
     cmd = [sys.executable, "-m", "jinfer.cli", "serve", "--model", model, "--port", str(port), *extra]
-    log = open(os.devnull, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True)
+    out = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    log = tempfile.NamedTemporaryFile("w+", prefix="jinfer-serve-", suffix=".log")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=out, stderr=log, text=True)
+    proc.log_path = log.name
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError("server exited: " + proc.stderr.read())
+                log.seek(0)
+                raise RuntimeError("server exited: " + log.read())
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(base + until, timeout=2).status_code == 200:
                     break
@@ -60,6 +65,7 @@ def running_server(model: str, *extra: str, timeout: float = 300, until: str = "
         yield base, proc
     finally:
         terminate(proc)
+        out.close()
         log.close()
 
 

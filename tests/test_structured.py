@@ -16,7 +16,7 @@ from tiny import train_sentencepiece, train_tokenizer
 import jinfer
 from jinfer.batch import run_jsonl
 from jinfer.sampling import RequestError, SamplingParams, mask_disallowed
-from jinfer.structured import ALL_ALLOWED, Grammars, mask_words
+from jinfer.structured import ALL_ALLOWED, Grammars, closed_objects, mask_words
 
 PERSON = {
     "type": "object",
@@ -111,6 +111,33 @@ def test_any_walk_through_the_allowed_tokens_spells_a_valid_output(tokenizers, k
         jsonschema.validate(json.loads(text), PERSON)
         text = tokenizer.decode(random_walk(grammars, SamplingParams(regex=CODE), seed))
         assert re.fullmatch(CODE, text), text
+
+
+OPEN_PERSON = {  # PERSON saying nothing of other keys, with a nested object and a $defs entry
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "home": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}},
+        "pet": {"$ref": "#/$defs/pet"},
+        "tags": {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 2},
+    },
+    "$defs": {"pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}}},
+}
+
+
+def test_objects_that_declare_properties_hold_only_those_keys_unless_the_schema_allows_more(tokenizers):
+    closed = closed_objects(OPEN_PERSON)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["home"]["additionalProperties"] is False
+    assert closed["$defs"]["pet"]["additionalProperties"] is False
+    assert closed["properties"]["tags"] == OPEN_PERSON["properties"]["tags"]  # says what it allows
+    assert "additionalProperties" not in OPEN_PERSON  # the request's schema is not changed
+    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(both) == both  # each part sees only some of the keys: left as given
+    grammars = _grammars(tokenizers["bpe"])
+    for seed in range(8):
+        text = tokenizers["bpe"].decode(random_walk(grammars, SamplingParams(json_schema=OPEN_PERSON), seed))
+        jsonschema.validate(json.loads(text), closed)
 
 
 def _nested_any_of(depth):

@@ -217,7 +217,7 @@ def test_json_cut_by_max_tokens_is_reported_as_length(client):
         ),
         ({"regex": "[0-9"}, "regex"),
         ({"grammar": "root ::= missing"}, "grammar"),
-        ({"regex": "a+", "response_format": {"type": "json_object"}}, "regex"),
+        ({"regex": "a+", "response_format": {"type": "json_object"}}, "response_format"),  # one, not two
     ],
 )
 def test_bad_constraints_are_400s_naming_the_field(server, extra, param):
@@ -343,9 +343,16 @@ def test_auto_answers_with_text_or_valid_calls(client):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
-        (
-            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-            "tool_choice",
+        (  # set aside by the call, a response_format is still checked
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                },
+            },
+            "response_format",
         ),
         ({"functions": [TOOLS[0]["function"]]}, "functions"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),

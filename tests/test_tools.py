@@ -11,7 +11,7 @@ from test_structured import random_walk
 import jinfer
 from jinfer.prepare import RequestPreparer
 from jinfer.sampling import RequestError, SamplingParams
-from jinfer.structured import Grammars
+from jinfer.structured import Grammars, closed_objects
 from jinfer.tools import Hermes, Llama3, Mistral, ToolStream, ToolUse, parse_tool_choice, parse_tools
 
 TOOLS = [
@@ -41,7 +41,19 @@ TOOLS = [
         },
     },
 ]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+PLAN = {  # parameters with definitions of their own, referred to from their root (pydantic writes these)
+    "type": "function",
+    "function": {
+        "name": "plan",
+        "parameters": {
+            "$defs": {"City": {"type": "object", "properties": {"name": {"enum": ["Rome", "Oslo"]}}}},
+            "type": "object",
+            "properties": {"stops": {"type": "array", "items": {"$ref": "#/$defs/City"}, "maxItems": 2}},
+            "required": ["stops"],
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: closed_objects(t["function"]["parameters"]) for t in [*TOOLS, PLAN]}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +65,7 @@ def tokenizer(smollm2_path):
 @pytest.mark.parametrize("parallel", [False, True])
 def test_any_output_a_required_call_grammar_allows_parses_to_valid_calls(tokenizer, convention, parallel):
     conv = convention(tokenizer)
-    tools = parse_tools(TOOLS)
+    tools = parse_tools([*TOOLS, PLAN])
     grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     for seed in range(4):
         ids = random_walk(grammars, SamplingParams(grammar=conv.grammar(tools, parallel)), seed)
@@ -62,6 +74,42 @@ def test_any_output_a_required_call_grammar_allows_parses_to_valid_calls(tokeniz
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
             assert call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("convention", [Hermes, Llama3, Mistral])
+def test_a_required_call_cut_anywhere_reads_as_the_calls_written_so_far(tokenizer, convention):
+    conv = convention(tokenizer)
+    tools = parse_tools(TOOLS)
+    names = tuple(t.name for t in tools)
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    use = ToolUse(conv, "required", names)
+    for seed in range(3):
+        ids = random_walk(grammars, SamplingParams(grammar=conv.grammar(tools, True)), seed)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        whole = conv.parse(text)[1]
+        assert [(c.name, c.arguments) for c in conv.read_cut(text, names)] == [
+            (c.name, c.arguments) for c in whole
+        ]
+        read = 0
+        for end in range(len(text) + 1):
+            content, calls = use.read(text[:end], "length")
+            assert content == "" and read <= len(calls) <= len(whole)  # calls are only ever added
+            read = len(calls)
+            for call, complete in zip(calls[:-1], whole, strict=False):
+                assert (call.name, call.arguments) == (complete.name, complete.arguments)
+            if calls:
+                assert calls[-1].name == whole[len(calls) - 1].name
+                assert f'"{conv.arguments_key}":{calls[-1].arguments}' in text or calls[-1].arguments in (
+                    "",
+                    whole[len(calls) - 1].arguments,
+                )
+    cut = ToolStream(ToolUse(Hermes(tokenizer), "add", ("add",)))
+    assert cut.add('<tool_call>\n{"name":"ad') == ""
+    assert [(c.name, c.arguments) for c in cut.finish("length")[1]] == [("add", "")]
+    assert ToolUse(Hermes(tokenizer), "required", names).read('<tool_call>\n{"na', "length") == ("", [])
+    for early in ("", "<tool", '<tool_call>\n{"na'):  # cut before the name: the one function it may call
+        (call,) = ToolUse(Hermes(tokenizer), "add", ("add",)).read(early, "length")[1]
+        assert (call.name, call.arguments) == ("add", "")
 
 
 @pytest.mark.parametrize(
@@ -102,7 +150,7 @@ def test_written_calls_are_read_back_and_malformed_ones_are_not(tokenizer, conve
 def _stream(use, pieces):
     stream = ToolStream(use)
     sent = [stream.add(p) for p in pieces]
-    rest, calls = stream.finish()
+    rest, calls = stream.finish("stop")
     return "".join(sent) + rest, calls
 
 
@@ -113,7 +161,7 @@ def test_streaming_holds_back_only_what_may_be_a_call(tokenizer):
     stream = ToolStream(auto)
     assert stream.add("Let me check. <tool") == "Let me check. "  # "<tool" may begin a call
     assert stream.add('_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>') == ""
-    rest, calls = stream.finish()
+    rest, calls = stream.finish("stop")
     assert rest == "" and [c.name for c in calls] == ["add"]
     text, calls = _stream(auto, ["<tool_call>\n{broken", "</tool_call>"])  # not a call after all: content
     assert text == "<tool_call>\n{broken</tool_call>" and calls == []
@@ -146,12 +194,27 @@ def test_a_template_without_tools_is_told_of_them_and_of_earlier_calls(preparer,
             ],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {
+            "role": "assistant",
+            "content": "Now the weather.",
+            "tool_calls": [
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+                {"id": "c3", "type": "function", "function": {"name": "add", "arguments": '{"a":3}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c3", "content": "4"},
+        {"role": "tool", "tool_call_id": "c2", "content": "sunny"},
     ]
     prepared = preparer.prepare(messages=history, tools=TOOLS)
     prompt = tokenizer.decode(prepared.prompt_ids, skip_special_tokens=False)
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt
-    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in prompt
-    assert "<tool_response>\n3\n</tool_response>" in prompt
+    # Earlier calls and results in sentences: as markup, a small model copies them as its answer.
+    assert 'assistant\nI called add with {"a": 1, "b": 2}.<|im_end|>' in prompt
+    assert "user\nIt returned: 3<|im_end|>" in prompt
+    assert 'Now the weather. I called get_weather with {}. I called add with {"a": 3}.' in prompt
+    assert "add returned: 4<|im_end|>" in prompt and "get_weather returned: sunny<|im_end|>" in prompt
+    told = Hermes(tokenizer).system_prompt(parse_tools(TOOLS))
+    assert prompt.count("<tool_call>") == told.count("<tool_call>") and "<tool_response>" not in prompt
     assert prepared.tools.choice == "auto" and prepared.grammar is None
     silent = preparer.prepare(messages=history, tools=TOOLS, tool_choice="none")
     assert silent.tools is None and "<tools>" not in tokenizer.decode(silent.prompt_ids)
@@ -179,13 +242,18 @@ def test_bad_tools_and_tool_choices_name_the_field(tools, choice, param):
     assert caught.value.param == param
 
 
-def test_a_required_call_and_another_constraint_are_refused(preparer):
+def test_a_required_call_decides_over_another_constraint_which_is_still_checked(preparer):
     ask = [{"role": "user", "content": "hi"}]
+    alone = preparer.prepare(messages=ask, tools=TOOLS, tool_choice="required")
+    both = preparer.prepare(
+        messages=ask, tools=TOOLS, tool_choice="required", sampling=SamplingParams(regex="a+")
+    )
+    assert both.sampling.regex is None and both.sampling.grammar == alone.sampling.grammar
     with pytest.raises(RequestError) as caught:
         preparer.prepare(
-            messages=ask, tools=TOOLS, tool_choice="required", sampling=SamplingParams(regex="a+")
+            messages=ask, tools=TOOLS, tool_choice="required", sampling=SamplingParams(regex="(a")
         )
-    assert caught.value.param == "tool_choice"
+    assert caught.value.param == "regex"
     with pytest.raises(RequestError) as caught:
         preparer.prepare("a prompt", tools=TOOLS)
     assert caught.value.param == "tools"
