@@ -190,6 +190,7 @@ class Engine:
             processor_inputs=processor_inputs(self.steps.processors, prepared),
             adapter=adapter,
             weights_version=self.weights_version,
+            priority=prepared.priority,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:

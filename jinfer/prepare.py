@@ -68,6 +68,7 @@ class PreparedRequest:
     grammar: CompiledGrammar | None = None  # the sampling's constraint, compiled (`jinfer.structured`)
     tools: ToolUse | None = None  # how to read tool calls in the output (`jinfer.tools`)
     adapter: str | None = None  # the name of the adapter it runs through (`jinfer.adapter_slots`)
+    priority: int = 0  # lower runs first (`jinfer.scheduler`)
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -265,12 +266,16 @@ class RequestPreparer:
         parallel_tool_calls: bool = True,
         adapter: str | None = None,
         template: ChatTemplate = ChatTemplate(),
+        priority: int = 0,
     ) -> PreparedRequest:
         """Exactly one of `prompt` (text or ids) and `messages` (a chat). `cache_salt`: prompts
         cached under it are found only by requests with the same salt (tenants that must not
         share the prefix cache, or measure each other's hits, use different salts). `tools`,
         `tool_choice`, `parallel_tool_calls`: OpenAI's, for a chat (`jinfer.tools`). `adapter`:
-        the name of a loaded adapter (the engine resolves it). `template`: how a chat renders."""
+        the name of a loaded adapter (the engine resolves it). `template`: how a chat renders.
+        `priority`: lower runs first (vLLM's), 0 by default."""
+        if not _is_int(priority) or not -(2**31) <= priority < 2**31:
+            raise RequestError("priority must be an integer in [-2**31, 2**31)", "priority")
         if adapter is not None:
             check_text(adapter, "adapter")
         if (prompt is None) == (messages is None):
@@ -307,6 +312,7 @@ class RequestPreparer:
             grammar,
             use,
             adapter,
+            priority,
         )
 
     def _tools(self, messages, tools, tool_choice, parallel: bool, sampling: SamplingParams):

@@ -77,6 +77,7 @@ class Request:
     drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)
     processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # `inputs.processor_inputs`
     adapter: int = -1  # its slot in the engine's adapter stack (`jinfer.adapter_slots`), -1: none
+    priority: int = 0  # lower runs first (`jinfer.scheduler`)
     weights_version: int = 0  # of the weights it started on (`Engine.update_weights`)
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None

@@ -16,6 +16,12 @@ finished. Finishing frees the slot; the next plan may give it to a waiting reque
            the queue, its pages freed; readmitted, it prefills its prompt and output so far
            (mostly from the prefix cache) and continues with the same tokens it would have made
 
+Priorities (`Request.priority`, vLLM's: lower runs first, 0 by default): the queue is in priority
+order, first come first served within one; the running request preempted for pages is the one of
+the lowest priority (the latest admitted among those); and a waiting request that finds no slot or
+too few pages, while a running one of lower priority holds them, preempts it (the lowest, latest
+admitted first). A preempted request resumes exactly, as any preemption does.
+
 Pages are taken and freed on the host ahead of the device: a dispatch in flight still writes into
 pages the host already freed, but the device runs dispatches in order, so whoever gets a page
 next writes it later; pages enter the prefix index only once the dispatches writing them are
@@ -41,6 +47,11 @@ from jinfer.request import Event, PrefillWork, Request, RequestOutput, deliver, 
 from jinfer.tokenizer import Tokenizer
 
 __all__ = ["Plan", "QueueFullError", "Request", "RequestOutput", "Scheduler", "deliver"]
+
+
+def _first_served(request: Request) -> tuple[int, int]:
+    """The order requests keep their place by: priority (lower first), then admission."""
+    return request.priority, request.admissions
 
 
 class QueueFullError(RuntimeError):
@@ -106,6 +117,7 @@ class Scheduler:
         # A pause (`jinfer.residency.pause`): no admission; holding, no running request steps either.
         self.admitting, self.holding = True, False
         self._events: list[Event] = []  # made since the last plan / commit / fail returned them
+        self._chunked: set[Request] = set()  # requests the plan being made prefills a chunk of
         self._poisoned: list[int] = []
 
     # ------------------------------------------------------------------------ inbox side
@@ -114,8 +126,21 @@ class Scheduler:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); try again later")
         if request.request_id in self.by_id:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.waiting.append(request)
+        self._enqueue(request, ahead=False)
         self.by_id[request.request_id] = request
+
+    def _enqueue(self, request: Request, ahead: bool) -> None:
+        """Into the waiting queue by priority: after every request of its priority (a new one), or
+        before them (`ahead`: a preempted one, first in line to resume)."""
+        place = next(
+            (
+                i
+                for i, other in enumerate(self.waiting)
+                if other.priority > request.priority or (ahead and other.priority == request.priority)
+            ),
+            len(self.waiting),
+        )
+        self.waiting.insert(place, request)
 
     def cancel(self, request_id: str) -> bool:
         """Mark a request cancelled; the next plan ends it and frees its slot. False if unknown."""
@@ -154,6 +179,7 @@ class Scheduler:
                 self._finish(request, "abort")
         if self.holding:
             return self._in_flight(Plan([], [None] * len(self.slots)))
+        self._chunked = set()
         self._grow_running()
 
         # Decode rows riding with prompt pieces take one step; prompts get what the rows leave.
@@ -199,12 +225,12 @@ class Scheduler:
     def _grow_running(self) -> None:
         """Pages for the next decode dispatch of every running request, oldest admission first;
         when the pool has too few, the latest admitted requests are preempted until it has."""
-        for request in sorted((r for r in self.slots if r is not None), key=lambda r: r.admissions):
+        for request in sorted((r for r in self.slots if r is not None), key=_first_served):
             if not request.wants_decode:
                 continue
             capacity = request.capacity(self.decode_steps, self._drafts(request))
             while request.slot is not None and not self.kv.grow(request.kv, request.slot, capacity):
-                self._preempt(max((r for r in self.slots if r is not None), key=lambda r: r.admissions))
+                self._preempt(max((r for r in self.slots if r is not None), key=_first_served))
 
     def _preempt(self, request: Request) -> None:
         """Take a request out of its slot, its computed pages left in the prefix cache, and put it
@@ -217,7 +243,7 @@ class Scheduler:
         request.prefilled = 0
         request.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, ahead=True)
 
     def _drafts(self, request: Request) -> int:
         """Draft tokens its decode steps may verify (0: it decodes one token a step)."""
@@ -235,18 +261,32 @@ class Scheduler:
 
     def _admit(self) -> Request | None:
         """The first waiting request, in the lowest free slot, if the pool holds its prefill and
-        first decode steps (beside the reserve); None otherwise (it keeps its turn)."""
-        if not self.admitting or not self.waiting or None not in self.slots:
+        first decode steps (beside the reserve), running requests of lower priority preempted
+        until it does; None otherwise (it keeps its turn)."""
+        if not self.admitting or not self.waiting:
             return None
         request = self.waiting[0]
         if request.in_flight:  # preempted with tokens in flight: resumes once they are committed
             return None
         prefill_ids = request.tokens()
         capacity = len(prefill_ids) + self._dispatch_positions(request)
-        hits = self.kv.cached_prefix(request.kv, prefill_ids)
-        if self.kv.cost(hits, capacity) + self._reserve() > self.kv.pool.available:
-            return None
-        self.waiting.popleft()
+        while True:
+            hits = self.kv.cached_prefix(request.kv, prefill_ids)  # a preemption may have cached more
+            if (
+                None in self.slots
+                and self.kv.cost(hits, capacity) + self._reserve() <= self.kv.pool.available
+            ):
+                break
+            # Only requests no chunk of this plan prefills: their slot is the plan's.
+            below = [
+                r
+                for r in self.slots
+                if r is not None and r.priority > request.priority and r.running and r not in self._chunked
+            ]
+            if not below:
+                return None
+            self._preempt(max(below, key=_first_served))
+        self.waiting.remove(request)
         slot = self.slots.index(None)
         self.slots[slot], request.slot = request, slot
         request.prefill_ids, request.generated_before = prefill_ids, len(request.output_ids)
@@ -275,6 +315,7 @@ class Scheduler:
         start = request.prefilled
         chunk = request.prefill_ids[start : start + max_len]
         request.prefilled += len(chunk)
+        self._chunked.add(request)
         last = request.prefilled == len(request.prefill_ids)
         request.in_flight += last  # the last chunk samples the next output token
         self.kv.register(request.kv, request.tokens, request.prefilled)

@@ -218,6 +218,7 @@ class JinferAPI:
                 "context_policy": req.context_policy,
                 "cache_salt": req.cache_salt,
                 "adapter": req.adapter,
+                "priority": req.priority,
             }
             if req.kind == "chat":
                 chat = {

@@ -163,6 +163,7 @@ class GenerationRequest:
     score_only: bool = False  # completions: echo with max_tokens 0, the prompt scored, nothing generated
     adapter: str | None = None  # the loaded adapter its `model` names (the server resolves it), or None
     template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # chat: how it renders
+    priority: int = 0  # lower runs first (vLLM's; checked where it is prepared)
 
     @property
     def choices(self) -> int:
@@ -297,7 +298,7 @@ _COMMON_FIELDS = {
     "model", "max_tokens", "n", "stop", "stream", "stream_options", "logit_bias", "logprobs", "user",
     "response_format",
     # jinfer's own
-    "top_k", "regex", "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt",
+    "top_k", "regex", "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt", "priority",
     # vLLM's constraint spellings (`_vllm_constraint`)
     *_GUIDED, "structured_outputs",
     *_SAMPLING_FIELDS,
@@ -386,6 +387,7 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         tool_choice=body.get("tool_choice"),
         parallel_tool_calls=body.get("parallel_tool_calls", True),
         template=_chat_template(body) if kind == "chat" else ChatTemplate(),
+        priority=0 if body.get("priority") is None else body["priority"],
         **session,
     )
 

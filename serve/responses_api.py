@@ -30,7 +30,17 @@ REFUSED = {
     "background": "background responses are not supported",
     "include": "no extra output to include is supported",
 }
-PASSED = ("temperature", "top_p", "stream", "user", "parallel_tool_calls", "seed", "top_k", "min_p")
+PASSED = (
+    "temperature",
+    "top_p",
+    "stream",
+    "user",
+    "parallel_tool_calls",
+    "seed",
+    "top_k",
+    "min_p",
+    "priority",
+)
 TRANSLATED = (
     "model",
     "input",

@@ -280,6 +280,9 @@ def test_a_list_of_prompts_gets_n_choices_each_in_order(client):
         ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, 400),
         ("/v1/completions", {"structured_outputs": {"shape": "a"}}, 400),
         ("/v1/completions", {"regex": "a+", "guided_regex": "b+"}, 400),  # two constraints
+        ("/v1/completions", {"priority": -3}, 200),
+        ("/v1/chat/completions", {"priority": 2**31}, 400),
+        ("/v1/completions", {"priority": "high"}, 400),
     ],
 )
 def test_unknown_fields_are_400s_and_no_effect_fields_are_accepted(servers, path, extra, status):

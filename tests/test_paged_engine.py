@@ -153,3 +153,31 @@ def test_constrained_requests_are_preempted_and_resume_with_the_same_tokens(mode
     assert [r.token_ids for r in results] == uncached(prompts, samplings)
     assert all(re.fullmatch("[a-z ]{90,400}", r.text) for r in results[1::2])
     assert llm.engine.stats()["preemptions"] > 0
+
+
+def test_a_request_of_higher_priority_preempts_and_every_request_gets_its_solo_tokens(model, uncached):
+    """Two slots held by low-priority generations; an urgent request arrives and takes one at once
+    (the latest admitted of the lowest priority is preempted); all three get their solo tokens."""
+    llm = jinfer.LLM(model, max_slots=2, max_seq_len=128, max_num_batched_tokens=64, decode_steps=4)
+    engine = llm.engine
+    prompts = [_prompt(400 + i, 12 + i) for i in range(3)]
+    samplings = [dataclass_replace(s, max_tokens=40) for s in SAMPLINGS]
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def submit(i, priority):
+        prepared = llm.preparer.prepare(prompts[i], sampling=samplings[i], priority=priority)
+        request = engine.make_request(prepared, lambda out, i=i: tokens[i].extend(out.token_ids))
+        engine.enqueue(request)
+        return request
+
+    low = [submit(0, 5), submit(1, 5)]
+    for _ in range(3):
+        engine.step()
+    assert all(r.slot is not None and not r.finished for r in low)
+    urgent = submit(2, 0)
+    engine.step()
+    assert urgent.slot is not None and low[1].slot is None  # at once, in the latest admitted's slot
+    while not all(r.finished for r in (*low, urgent)):
+        engine.step()
+    assert [tokens[i] for i in range(3)] == uncached(prompts, samplings)
+    assert (low[0].preemptions, low[1].preemptions, urgent.preemptions) == (0, 1, 0)

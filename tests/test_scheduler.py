@@ -359,3 +359,60 @@ def test_out_of_pages_the_latest_admitted_is_preempted_and_resumes_exactly(token
     assert s.preemptions > 0 and any(r.preemptions for r in requests[1:]) and not requests[0].preemptions
     assert s.kv.pool.used == 0 and s.slots == [None] * 3 and not s.waiting
     assert s.kv.hits > 0  # the preempted found what they had computed in the cache
+
+
+def _prioritized(tokenizer, name, priority, prompt_start, **sampling):
+    request = _request(tokenizer, name, 6, **{"max_tokens": 20, **sampling})
+    request.prompt_ids = [prompt_start + t for t in range(6)]
+    request.priority = priority
+    return request
+
+
+def test_the_queue_is_in_priority_order_first_come_first_served_within_one(tokenizer):
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, token_budget=512)
+    made = [
+        _prioritized(tokenizer, name, p, 100)
+        for name, p in (("a", 1), ("b", 0), ("c", 1), ("d", -2), ("e", 0))
+    ]
+    for request in made:
+        s.submit(request)
+    assert [r.request_id for r in s.waiting] == ["d", "b", "e", "a", "c"]
+
+
+def test_a_request_of_higher_priority_takes_the_slot_and_the_preempted_resumes_exactly(tokenizer):
+    s = Scheduler(tokenizer, max_slots=1, max_queue=8, token_budget=512, caching=True)
+    background = _prioritized(tokenizer, "background", 5, 100)
+    s.submit(background)
+    device = FakeDevice(s)
+    for _ in range(3):
+        device.step()
+    assert background.running and len(background.output_ids) > 0
+    urgent, later = _prioritized(tokenizer, "urgent", 0, 200), _prioritized(tokenizer, "later", 5, 300)
+    s.submit(later)  # the same priority as the one running: it waits its turn
+    device.step()
+    assert s.slots == [background] and not later.slot
+    s.submit(urgent)
+    device.step()
+    assert s.slots == [urgent] and background.preemptions == 1
+    assert [r.request_id for r in s.waiting] == ["background", "later"]  # first in line again
+    device.run()
+    for request in (background, urgent, later):
+        assert request.output_ids == [FakeDevice.token(request, i) for i in range(20)]
+    assert urgent.finished and not urgent.preemptions and s.kv.pool.used == 0
+
+
+def test_out_of_pages_the_lowest_priority_is_preempted_before_the_latest_admitted(tokenizer):
+    # 7 pages each to finish: room for two of the three.
+    s = Scheduler(tokenizer, max_slots=3, max_queue=8, token_budget=512, pages=17, caching=True)
+    first = _prioritized(tokenizer, "first", 9, 100)  # admitted first, but of the lowest priority
+    others = [_prioritized(tokenizer, name, 0, 120 + 20 * i) for i, name in enumerate(("b", "c"))]
+    s.submit(first)
+    device = FakeDevice(s)
+    device.step()
+    assert first.slot is not None
+    for request in others:
+        s.submit(request)
+    device.run()
+    assert first.preemptions > 0 and not any(r.preemptions for r in others)
+    for request in (first, *others):
+        assert request.output_ids == [FakeDevice.token(request, i) for i in range(20)]
