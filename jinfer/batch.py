@@ -1,12 +1,18 @@
-"""Offline batch generation over JSONL files, resumable.
+"""Batch generation over JSONL files, resumable: the ledger both batch doors share, and the
+offline runner.
 
-Input lines: {"id": ..., "prompt": "text" | [token ids]} or {"id": ..., "messages": [...]}, with an
-optional "sampling" object of SamplingParams fields overriding the job's defaults. Output lines:
-{"id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error"?}, written and flushed
-as each request finishes (in completion order). Ids already present in the output are skipped, so
-a job killed half-way resumes where it stopped; a torn last line from the kill is discarded first.
-A bad input line (not JSON, no id, a bad field) becomes an error record for its id (or its line
-number, `"line"`, when it has none) and never stops the others.
+The ledger (`completed_ids`, `pending_lines`): a job's results are appended to output files, one
+record a line, flushed as each finishes; a record names its input line by a key field ("id" here,
+"custom_id" in OpenAI's batch files, `serve/batches.py`), or by its line number ("line") when the
+input line has none. Keys already written are skipped, so a job killed half-way resumes where it
+stopped (a torn last line from the kill is cut off first); an input line that is not JSON, has no
+key or repeats one is a problem for its own record, never a failed job.
+
+The offline runner (`run_jsonl`, `jinfer batch`), on the ledger. Input lines: {"id": ...,
+"prompt": "text" | [token ids]} or {"id": ..., "messages": [...]}, with an optional "sampling"
+object of SamplingParams fields overriding the job's defaults. Output lines: {"id", "text",
+"finish_reason", "prompt_tokens", "completion_tokens", "error"?}, in completion order. A bad input
+line (not JSON, no id, a bad field) becomes an error record for its id (or its line number).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from collections.abc import Iterator
+from typing import Any, NamedTuple, TextIO
 
 from jinfer.llm import LLM, Completion
 from jinfer.prepare import PreparedRequest
@@ -26,26 +33,65 @@ from jinfer.tokenizer import TokenizerError
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def completed_ids(output_path: str) -> set[Any]:
-    """Keys already written (`_key`); truncates a torn (newline-less) last line left by a killed run."""
-    if not os.path.exists(output_path):
-        return set()
-    with open(output_path, "rb+") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
-            f.truncate(end)
+def completed_ids(*output_paths: str, key_field: str = "id") -> set[Any]:
+    """Keys already written (`_key`) in any of the output files; truncates a torn (newline-less)
+    last line left by a killed run."""
     keys = set()
-    for line in data[:end].splitlines():
-        if line.strip():
-            record = json.loads(line)
-            keys.add(_key(record.get("id"), record.get("line")))
+    for path in output_paths:
+        if not os.path.exists(path):
+            continue
+        with open(path, "rb+") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end != len(data):
+                f.truncate(end)
+        for line in data[:end].splitlines():
+            if line.strip():
+                record = json.loads(line)
+                keys.add(_key(record.get(key_field), record.get("line")))
     return keys
 
 
 def _key(item_id, line: int | None):
     """What identifies an input line in the output: its id, or its line number when it has none."""
     return ("line", line) if item_id is None else ("id", json.dumps(item_id, sort_keys=True))
+
+
+class BatchLine(NamedTuple):
+    """An input line still to run: its number, its key's value (None: it has none), and either
+    its entry (a JSON object) or the problem that makes it an error record."""
+
+    number: int
+    item_id: Any
+    entry: dict[str, Any] | None
+    problem: str | None
+
+
+def pending_lines(input_path: str, done: set[Any], key_field: str = "id") -> Iterator[BatchLine]:
+    """The input lines whose keys are not in `done` (blank lines skipped), each key once: a line
+    repeating an earlier line's key is a problem keyed by its line number."""
+    seen = set()
+    with open(input_path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                entry, problem = json.loads(line), None
+            except (json.JSONDecodeError, ValueError, RecursionError) as e:
+                entry, problem = None, f"line {number} is not JSON: {e}"
+            if problem is None and not isinstance(entry, dict):
+                entry, problem = None, f"line {number} is not a JSON object"
+            item_id = entry.get(key_field) if entry is not None else None
+            key = _key(item_id, number)
+            if item_id is not None and key in seen:
+                item_id, key, problem = (
+                    None,
+                    _key(None, number),
+                    f"line {number} repeats {key_field} {item_id!r}",
+                )
+            seen.add(key)
+            if key not in done:
+                yield BatchLine(number, item_id, entry if problem is None else None, problem)
 
 
 class _Progress:
@@ -131,31 +177,17 @@ def run_jsonl(
     `defaults`: the job's sampling; a line's "sampling" object overrides its fields, and knobs
     neither sets take the model's defaults.
     """
-    done = completed_ids(output_path)
     items, ids, errors = [], [], []
-    with open(input_path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for line in pending_lines(input_path, completed_ids(output_path)):
+        problem = line.problem
+        if problem is None:
             try:
-                entry = json.loads(line)
-            except (json.JSONDecodeError, ValueError, RecursionError) as e:
-                entry, problem = None, f"line {number} is not JSON: {e}"
-            else:
-                problem = None
-            item_id = entry.get("id") if isinstance(entry, dict) else None
-            key = _key(item_id, number)
-            if key in done:
+                items.append(_prepare_line(llm, line.entry, defaults, context_policy))
+                ids.append(line.item_id)
                 continue
-            done.add(key)
-            if problem is None:
-                try:
-                    items.append(_prepare_line(llm, entry, defaults, context_policy))
-                    ids.append(item_id)
-                    continue
-                except (RequestError, TokenizerError) as e:
-                    problem = str(e)
-            errors.append(_error_record(item_id, number, problem))
+            except (RequestError, TokenizerError) as e:
+                problem = str(e)
+        errors.append(_error_record(line.item_id, line.number, problem))
 
     bar = _Progress(len(items) + len(errors), progress) if progress else None
     written = 0

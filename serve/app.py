@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,8 @@ from .admin import admin_routes
 from .anthropic_api import MessagesWriter, count_tokens, is_anthropic_path
 from .anthropic_api import chat_body as messages_chat_body
 from .anthropic_api import error_body as anthropic_error_body
+from .batch_api import batch_routes
+from .batches import BatchRunner, FileStore
 from .bridge import EngineBridge
 from .protocol import APIError, GenerationRequest, Submission, api_param, parse_generation, parse_json_object
 from .request_ids import RequestIdMiddleware
@@ -121,6 +125,7 @@ class JinferAPI:
         self.writer: ResponseWriter | None = None  # ... and the writers, which cancel through it
         self.responses_writer: ResponsesWriter | None = None
         self.messages_writer: MessagesWriter | None = None
+        self.batch_runner: BatchRunner | None = None  # files and batches (serve/batches.py)
         self.metrics = ServingMetrics(engine.stats, lambda: engine.dispatch_counts)
         self.ready = False
         self.draining = False
@@ -137,6 +142,10 @@ class JinferAPI:
         self.writer = ResponseWriter(context)
         self.responses_writer = ResponsesWriter(context, self.writer)
         self.messages_writer = MessagesWriter(context, self.writer)
+        directory = self.settings.batch_dir or tempfile.mkdtemp(prefix="jinfer-batches-")
+        self.batch_runner = BatchRunner(
+            directory, FileStore(directory), self.answer, self.engine.layout.max_slots
+        )
         self._warmup = asyncio.create_task(self._warm_up())
 
     async def _warm_up(self) -> None:
@@ -153,9 +162,11 @@ class JinferAPI:
         self.engine.start()
         self.ready = True
         log.info("warm-up took %.1f s; %d compiled programs; ready", seconds, self.engine.compile_count())
+        self.batch_runner.resume_all()
 
     async def shutdown(self) -> None:
         self.ready = False
+        await self.batch_runner.stop()
         await asyncio.to_thread(self.engine.stop)
 
     async def drain(self) -> None:
@@ -168,20 +179,23 @@ class JinferAPI:
             await self.bridge.wait_idle(10.0)
 
     def _check_serving(self) -> None:
+        if (unavailable := self._unavailable()) is not None:
+            self.metrics.rejected.inc()
+            raise unavailable
+
+    def _unavailable(self) -> APIError | None:
+        """Why generation cannot be served now (a 503), or None."""
         if self.engine.failure is not None:
-            self.metrics.rejected.inc()
-            raise APIError(503, f"the engine is unavailable: {self.engine.failure}", code="unavailable")
+            return APIError(503, f"the engine is unavailable: {self.engine.failure}", code="unavailable")
         if self.draining:
-            self.metrics.rejected.inc()
-            raise APIError(503, "the server is shutting down", code="draining")
+            return APIError(503, "the server is shutting down", code="draining")
         if not self.ready:
-            self.metrics.rejected.inc()
-            raise APIError(503, "the server is warming up", code="not_ready", headers={"Retry-After": "5"})
+            return APIError(503, "the server is warming up", code="not_ready", headers={"Retry-After": "5"})
         if self.engine.asleep:
-            self.metrics.rejected.inc()
-            raise APIError(
+            return APIError(
                 503, "the server is asleep until POST /wake_up", code="sleeping", headers={"Retry-After": "5"}
             )
+        return None
 
     # ------------------------------------------------------------------------- helpers
     async def _body(self, request: Request) -> dict[str, Any]:
@@ -337,7 +351,26 @@ class JinferAPI:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         self._check_serving()
-        req = self._parsed(await self._body(request), kind)
+        return await self._respond(request, self._parsed(await self._body(request), kind))
+
+    async def answer(self, url: str, body: dict[str, Any], priority: int) -> tuple[int, dict[str, Any]]:
+        """A request's whole answer as HTTP gives it, (status, body), at `priority`: a batch line's
+        (serve/batches.py). 503 while the server cannot serve, as HTTP's."""
+        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}[url]
+        try:
+            if (unavailable := self._unavailable()) is not None:
+                raise unavailable
+            req = dataclasses.replace(self._parsed(body, kind), priority=priority)
+            if req.stream:
+                raise APIError(400, "a batch line is answered whole: drop 'stream'", param="stream")
+            response = await self._respond(None, req)
+        except APIError as e:
+            return e.status, e.body()
+        return response.status_code, json.loads(response.body)
+
+    async def _respond(self, request: Request | None, req: GenerationRequest) -> Response:
+        """The response to a parsed completions or chat request (`request` None: no client to
+        watch for a disconnect)."""
         if req.score_only:
             return await self.writer.score_only(req, [p.prompt_ids for p in await self._prepared(req)])
         queue: asyncio.Queue = asyncio.Queue()
@@ -473,6 +506,7 @@ def _routes(api: JinferAPI) -> list:
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         *admin_routes(api),
+        *batch_routes(api),
         # The same without /v1, as llama.cpp's server also answers them (and clients send them).
         Route("/models", api.models),
         Route("/completions", api.completions, methods=["POST"]),

@@ -414,8 +414,11 @@ class ResponseWriter:
         return events
 
 
-async def wait_disconnect(request: Request) -> None:
-    """Returns once the client has disconnected (Starlette delivers http.disconnect)."""
+async def wait_disconnect(request: Request | None) -> None:
+    """Returns once the client has disconnected (Starlette delivers http.disconnect); never, for
+    no client (a batch line's request)."""
+    if request is None:
+        await asyncio.Event().wait()
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

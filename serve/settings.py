@@ -30,10 +30,14 @@ class ServerConfig:
         None, "browser origins allowed to call the API, comma-separated ('*': any); unset: none (no CORS)"
     )
     web_ui: bool = setting(True, "serve the chat page at / (--no-web-ui: off)")
+    batch_dir: str | None = setting(
+        None, "directory of uploaded files and batches, resumed after a restart; unset: a temporary one"
+    )
+    max_file_bytes: int = setting(512 * 2**20, "largest file upload accepted (413 beyond)")
     log_level: str = setting("info", "logging level")
 
     def __post_init__(self):
-        for name in ("port", "max_body_bytes", "stream_max_tokens", "retry_after_s"):
+        for name in ("port", "max_body_bytes", "stream_max_tokens", "retry_after_s", "max_file_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "port" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -9,6 +9,7 @@ its MD_JSON and PARALLEL_TOOLS modes are not here: they depend on the model foll
 alone (a fenced block, a call it may skip), which this model does not."""
 
 import json
+import time
 from collections.abc import Iterable
 
 import anthropic
@@ -494,3 +495,37 @@ def test_litellm_completion_stream_and_tools(server):
         .message.tool_calls
     )
     assert calls and all(set(json.loads(c.function.arguments)) <= {"city"} for c in calls)
+
+
+# ------------------------------------------------------------------------------------ files and batches
+def test_openai_files_and_batches_answer_each_line_as_the_request_alone(client):
+    """The embedded model through the Batch API (a restart mid-batch: test_batch_api.py)."""
+    questions = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?"]
+    lines = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": q}],
+                "max_tokens": 30,
+                "temperature": 0,
+            },
+        }
+        for i, q in enumerate(questions)
+    ]
+    text = "\n".join(json.dumps(line) for line in lines)
+    uploaded = client.files.create(file=("questions.jsonl", text.encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    while batch.status not in ("completed", "failed", "cancelled"):
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3 and batch.error_file_id is None
+    records = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    for record in records:
+        line = lines[int(record["custom_id"][1:])]
+        alone = client.chat.completions.create(**line["body"]).choices[0].message.content
+        assert record["response"]["body"]["choices"][0]["message"]["content"] == alone

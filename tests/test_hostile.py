@@ -140,6 +140,25 @@ HOSTILE = {
     "messages: 400 digits as temperature": ("POST", "/v1/messages", _message('"x"', temperature=BIG)),
     "count_tokens: messages not a list": ("POST", "/v1/messages/count_tokens", b'{"messages": "hi"}'),
     "GET on the messages route": ("GET", "/v1/messages", None),
+    # Files and batches.
+    "files: an upload that is not a form": ("POST", "/v1/files", b'{"file": "x", "purpose": "batch"}'),
+    "files: an unknown id": ("GET", "/v1/files/file-0123abc", None),
+    "files: an id that is a path": ("GET", "/v1/files/file-..%2F..%2Fetc%2Fpasswd/content", None),
+    "files: a limit of 0": ("GET", "/v1/files?limit=0", None),
+    "batches: an unknown endpoint": (
+        "POST",
+        "/v1/batches",
+        b'{"input_file_id": "file-1", "endpoint": "/v1/embeddings", "completion_window": "24h"}',
+    ),
+    "batches: metadata of numbers": (
+        "POST",
+        "/v1/batches",
+        b'{"input_file_id": "file-1", "endpoint": "/v1/completions", "completion_window": "24h",'
+        b' "metadata": {"a": 1}}',
+    ),
+    "batches: an unknown field": ("POST", "/v1/batches", b'{"input_file_id": "file-1", "priority": 1}'),
+    "batches: not JSON": ("POST", "/v1/batches", b"{input_file_id"),
+    "batches: cancel an unknown one": ("POST", "/v1/batches/batch_0123/cancel", None),
 }
 
 
