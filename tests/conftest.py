@@ -2,9 +2,12 @@
 
 import hashlib
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing outside this machine is reached: litellm would fetch its model price list at import.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import jax
 import pytest
@@ -32,6 +35,24 @@ if os.environ.get("JINFER_TEST_XLA_CACHE", "on") != "off":
 os.environ.setdefault("JINFER_KEEP_EXECUTABLES", "0")
 
 import tiny  # noqa: E402
+
+_MODULE_STARTED: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _MODULE_STARTED.setdefault(location[0], time.monotonic())
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Under CI, each test file's wall time as it ends: a run cut short still shows where its time went."""
+    module = item.location[0]
+    if os.environ.get("CI") and (nextitem is None or nextitem.location[0] != module):
+        seconds = time.monotonic() - _MODULE_STARTED[module]
+        plugins = item.config.pluginmanager
+        reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():  # teardown's output is captured otherwise
+                reporter.write_line(f"[{time.strftime('%H:%M:%S')}] {module}: {seconds:.0f} s")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import sys
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -33,8 +34,14 @@ def _flat(params) -> dict[str, np.ndarray]:
 
 
 def _logits(loaded, ids):
-    hidden, _ = llama.forward(loaded.params, ids, np.arange(ids.shape[1])[None], loaded.config)
-    return np.asarray(llama.logits(loaded.params, hidden))
+    """The model's logits for `ids`, as one compiled program (op by op, every op compiles alone)."""
+
+    @jax.jit
+    def forward(params, ids):
+        hidden, _ = llama.forward(params, ids, jnp.arange(ids.shape[1])[None], loaded.config)
+        return llama.logits(params, hidden)
+
+    return np.asarray(forward(loaded.params, ids))
 
 
 IDS = np.random.RandomState(5).randint(0, VOCAB, (1, 30))
