@@ -514,6 +514,18 @@ class ToolStream:
         return self.use.read(held, reason) if self.mode == "calls" else (held, [])
 
 
+def streamed_content(tool_stream: ToolStream | None, piece) -> tuple[str, list[ToolCall]]:
+    """For one streamed piece of an output (a `RequestOutput`): the content to send now and, on its
+    last piece, the calls the output ended with, through `tool_stream` where the request has tools."""
+    if tool_stream is None:
+        return piece.text, []
+    content = tool_stream.add(piece.text)
+    if not piece.finished:
+        return content, []
+    rest, calls = tool_stream.finish(piece.finish_reason)
+    return content + rest, calls
+
+
 ARGUMENT_FRAGMENT = 32  # characters of arguments per streamed delta
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from jinfer.prepare import RequestError, check_messages
-from jinfer.tools import ToolCall, ToolStream, finish_output, parse_tools
+from jinfer.tools import ToolCall, ToolStream, finish_output, parse_tools, streamed_content
 
 from .protocol import APIError, Submission
 
@@ -320,12 +320,9 @@ class MessagesWriter:
                     yield blocks.event("ping")
                     continue
                 for _, piece in events:
-                    delta = piece.text if tool_stream is None else tool_stream.add(piece.text)
+                    delta, ended_with = streamed_content(tool_stream, piece)
                     if piece.finished:
-                        final = piece
-                        if tool_stream is not None:
-                            rest, calls = tool_stream.finish(piece.finish_reason)
-                            delta += rest
+                        final, calls = piece, ended_with
                     for line in blocks.text(delta):
                         yield line
             if final.finish_reason == "error":

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from jinfer.tools import ToolStream, finish_output
+from jinfer.tools import ToolStream, finish_output, streamed_content
 
 from .protocol import NO_EFFECT_FIELDS, APIError, Submission
 from .responses import SSE_KEEPALIVE, ResponseWriter, WriterContext, now
@@ -357,12 +357,9 @@ class ResponsesWriter:
                     yield SSE_KEEPALIVE
                     continue
                 for _, piece in events:
-                    delta = piece.text if tool_stream is None else tool_stream.add(piece.text)
+                    delta, ended_with = streamed_content(tool_stream, piece)
                     if piece.finished:
-                        final = piece
-                        if tool_stream is not None:
-                            rest, calls = tool_stream.finish(piece.finish_reason)
-                            delta += rest
+                        final, calls = piece, ended_with
                     for line in stream.text_delta(delta):
                         yield line
             for line in stream.finish(calls):
