@@ -274,16 +274,7 @@ class RequestPreparer:
         `tool_choice`, `parallel_tool_calls`: OpenAI's, for a chat (`jinfer.tools`). `adapter`:
         the name of a loaded adapter (the engine resolves it). `template`: how a chat renders.
         `priority`: lower runs first (vLLM's), 0 by default."""
-        if not _is_int(priority) or not -(2**31) <= priority < 2**31:
-            raise RequestError("priority must be an integer in [-2**31, 2**31)", "priority")
-        if adapter is not None:
-            check_text(adapter, "adapter")
-        if (prompt is None) == (messages is None):
-            raise RequestError("give either a prompt or messages", "prompt")
-        if cache_salt is not None and (not check_text(cache_salt, "cache_salt") or len(cache_salt) > 1024):
-            raise RequestError(
-                "cache_salt must be a non-empty string of at most 1024 characters", "cache_salt"
-            )
+        _check_request_fields(prompt, messages, priority, adapter, cache_salt)
         sampling = self.sampling(sampling)
         if sampling.seed is None:  # decided here, for every door: reported back, it reproduces the output
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
@@ -363,6 +354,18 @@ class RequestPreparer:
                 raise ContextLengthError(len(ids), max_tokens, self.max_seq_len)
             messages = [m for i, m in enumerate(messages) if i != droppable[0]]
             dropped += 1
+
+
+def _check_request_fields(prompt, messages, priority, adapter, cache_salt) -> None:
+    """The request's fields beside its sampling, checked in this order."""
+    if not _is_int(priority) or not -(2**31) <= priority < 2**31:
+        raise RequestError("priority must be an integer in [-2**31, 2**31)", "priority")
+    if adapter is not None:
+        check_text(adapter, "adapter")
+    if (prompt is None) == (messages is None):
+        raise RequestError("give either a prompt or messages", "prompt")
+    if cache_salt is not None and (not check_text(cache_salt, "cache_salt") or len(cache_salt) > 1024):
+        raise RequestError("cache_salt must be a non-empty string of at most 1024 characters", "cache_salt")
 
 
 def _is_int(value) -> bool:

@@ -42,7 +42,7 @@ from .anthropic_api import MessagesWriter, count_tokens, is_anthropic_path
 from .anthropic_api import chat_body as messages_chat_body
 from .anthropic_api import error_body as anthropic_error_body
 from .batch_api import batch_routes
-from .batches import BatchRunner, FileStore
+from .batches import ENDPOINTS, BatchRunner, FileStore
 from .bridge import EngineBridge
 from .protocol import APIError, GenerationRequest, Submission, api_param, parse_generation, parse_json_object
 from .request_ids import RequestIdMiddleware
@@ -356,7 +356,7 @@ class JinferAPI:
     async def answer(self, url: str, body: dict[str, Any], priority: int) -> tuple[int, dict[str, Any]]:
         """A request's whole answer as HTTP gives it, (status, body), at `priority`: a batch line's
         (serve/batches.py). 503 while the server cannot serve, as HTTP's."""
-        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}[url]
+        kind = ENDPOINTS[url]
         try:
             if (unavailable := self._unavailable()) is not None:
                 raise unavailable

@@ -35,7 +35,7 @@ from .protocol import APIError
 log = logging.getLogger("jinfer.serve")
 
 BATCH_PRIORITY = 2**30  # lower runs first: batch lines after any request that does not ask for less
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}  # url -> request kind
 RETRY_STATUSES = (429, 503)  # a full queue, a warming or draining server: the line runs later
 RETRY_SECONDS = 0.5
 SAVE_SECONDS = 1.0  # a running batch's object (its counts) is written at most this often
