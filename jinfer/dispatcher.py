@@ -54,6 +54,7 @@ class Dispatcher:
         self.recover = recover
         self.tables_version = self.kv.version  # of the device's block tables
         self.deferred: list[Request | None] | None = None  # per slot: decoded, waiting for `sample`
+        self.predicted_slots: set[int] = set()  # slots whose device state holds a predicted output
 
     @property
     def device(self):
@@ -209,14 +210,18 @@ class Dispatcher:
 
     def _set_history(self, work: PrefillWork) -> None:
         """Before a penalised or speculative request's first chunk: its slot's prompt mask, output
-        counts and token history, from its tokens (the prefix cache may spare it computing some, a
-        preemption makes it prefill its output again). Other requests never read them."""
+        counts, token history and predicted output, from its tokens (the prefix cache may spare it
+        computing some, a preemption makes it prefill its output again). Other requests never read
+        them, except a predicted output, which drafts would: it is cleared when its slot is taken."""
+        request = work.request
         # A speculative request's chunks write its token history themselves unless the first
         # starts past cached positions.
-        spared = work.request.drafts.drafting and work.start > 0
-        if work.first and (work.request.sampling.penalised or spared):
-            request = work.request
+        spared = request.drafts.drafting and work.start > 0
+        prediction = request.prediction_ids if request.drafts.drafting else ()
+        stale = work.slot in self.predicted_slots
+        if work.first and (request.sampling.penalised or spared or prediction or stale):
             packed = pack_history(
-                work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len
+                work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len, prediction
             )
             self.device.history(packed)
+            (self.predicted_slots.add if prediction else self.predicted_slots.discard)(work.slot)

@@ -191,6 +191,7 @@ class Engine:
             adapter=adapter,
             weights_version=self.weights_version,
             priority=prepared.priority,
+            prediction_ids=prepared.prediction_ids,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:

@@ -181,15 +181,26 @@ class LLM:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         context_policy: str | None = None,
         adapter: str | Sequence[str | None] | None = None,
+        prediction: str | Sequence[str | Sequence[int] | None] | None = None,
     ) -> list[Completion]:
         """Complete each prompt (text, or token ids used as they are), batched through the slots;
-        `adapter`: a loaded adapter's name for all of them, or one (or None) per prompt."""
+        `adapter`: a loaded adapter's name for all of them, or one (or None) per prompt;
+        `prediction`: the text (or token ids) each output is expected to be (much like), which
+        speculative decoding drafts from (`metrics["accepted_prediction_tokens"]`), one per prompt
+        (a text alone: the same for all)."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not a single string")
-        per = self._per_prompt(sampling, len(prompts))
+        n = len(prompts)
+        per = zip(
+            prompts,
+            self._per_prompt(sampling, n),
+            _per_item(adapter, n),
+            _per_item(prediction, n),
+            strict=True,
+        )
         items = [
-            self.preparer.prepare(p, sampling=s, context_policy=context_policy, adapter=a)
-            for p, s, a in zip(prompts, per, _per_item(adapter, len(prompts)), strict=True)
+            self.preparer.prepare(p, sampling=s, context_policy=context_policy, adapter=a, prediction=guess)
+            for p, s, a, guess in per
         ]
         return self._run_all(items)
 
@@ -203,20 +214,25 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
+        prediction: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """Answer each conversation (a list of {"role", "content"} messages) via the chat template.
 
         With context_policy="drop_oldest", whole early non-system messages are dropped until the
         conversation fits; `metrics["dropped_messages"]` says how many. `tools`, `tool_choice`
         and `parallel_tool_calls` are OpenAI's (`jinfer.tools`); calls the model makes come back
-        parsed in `Completion.tool_calls`, with finish_reason "tool_calls". `adapter` as for generate.
+        parsed in `Completion.tool_calls`, with finish_reason "tool_calls". `adapter` and
+        `prediction` as for generate.
         """
-        per = self._per_prompt(sampling, len(conversations))
+        n = len(conversations)
+        per = self._per_prompt(sampling, n)
         options = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
         options["context_policy"] = context_policy
         items = [
-            self.preparer.prepare(messages=list(m), sampling=s, adapter=a, **options)
-            for m, s, a in zip(conversations, per, _per_item(adapter, len(conversations)), strict=True)
+            self.preparer.prepare(messages=list(m), sampling=s, adapter=a, prediction=guess, **options)
+            for m, s, a, guess in zip(
+                conversations, per, _per_item(adapter, n), _per_item(prediction, n), strict=True
+            )
         ]
         return self._run_all(items)
 

@@ -69,6 +69,9 @@ class PreparedRequest:
     tools: ToolUse | None = None  # how to read tool calls in the output (`jinfer.tools`)
     adapter: str | None = None  # the name of the adapter it runs through (`jinfer.adapter_slots`)
     priority: int = 0  # lower runs first (`jinfer.scheduler`)
+    # The output's expected tokens (OpenAI's Predicted Outputs): speculative decoding's drafts look
+    # there too, so a right guess is verified several tokens a pass; the output is the same either way.
+    prediction_ids: tuple[int, ...] = ()
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -267,13 +270,15 @@ class RequestPreparer:
         adapter: str | None = None,
         template: ChatTemplate = ChatTemplate(),
         priority: int = 0,
+        prediction: str | Sequence[int] | None = None,
     ) -> PreparedRequest:
         """Exactly one of `prompt` (text or ids) and `messages` (a chat). `cache_salt`: prompts
         cached under it are found only by requests with the same salt (tenants that must not
         share the prefix cache, or measure each other's hits, use different salts). `tools`,
         `tool_choice`, `parallel_tool_calls`: OpenAI's, for a chat (`jinfer.tools`). `adapter`:
         the name of a loaded adapter (the engine resolves it). `template`: how a chat renders.
-        `priority`: lower runs first (vLLM's), 0 by default."""
+        `priority`: lower runs first (vLLM's), 0 by default. `prediction`: the text (or token ids) the
+        output is expected to be (or to be much like), for speculative decoding to draft from."""
         _check_request_fields(prompt, messages, priority, adapter, cache_salt)
         sampling = self.sampling(sampling)
         if sampling.seed is None:  # decided here, for every door: reported back, it reproduces the output
@@ -304,7 +309,22 @@ class RequestPreparer:
             use,
             adapter,
             priority,
+            self._prediction_ids(prediction),
         )
+
+    def _prediction_ids(self, prediction: str | Sequence[int] | None) -> tuple[int, ...]:
+        """A predicted output's tokens: a text's as the model would write it (no special tokens
+        added), or ids checked as a prompt's are; at most a window's worth."""
+        if prediction is None:
+            return ()
+        if isinstance(prediction, str):
+            ids = self.tokenizer.encode(check_text(prediction, "prediction"), add_special_tokens=False)
+        else:
+            try:
+                ids = self.prompt_ids(prediction)
+            except RequestError as e:
+                raise RequestError(str(e).replace("prompt", "prediction"), "prediction") from None
+        return tuple(ids[: self.max_seq_len])
 
     def _tools(self, messages, tools, tool_choice, parallel: bool, sampling: SamplingParams):
         """(the tools the prompt offers, how to read the calls, the sampling with a required call's

@@ -78,6 +78,7 @@ class Request:
     processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # `inputs.processor_inputs`
     adapter: int = -1  # its slot in the engine's adapter stack (`jinfer.adapter_slots`), -1: none
     priority: int = 0  # lower runs first (`jinfer.scheduler`)
+    prediction_ids: tuple[int, ...] = ()  # the output it expects (drafts look there; `PreparedRequest`)
     weights_version: int = 0  # of the weights it started on (`Engine.update_weights`)
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -138,6 +139,8 @@ class Request:
             "draft_tokens": self.drafts.drafted,
             "accepted_tokens": self.drafts.accepted,
             "verify_steps": self.drafts.verify_steps,
+            "accepted_prediction_tokens": self.drafts.predicted_accepted,
+            "rejected_prediction_tokens": self.drafts.predicted_rejected,
             "weights_version": self.weights_version,
         }
 

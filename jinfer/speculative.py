@@ -72,10 +72,7 @@ def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.
     start = jnp.arange(seq)[None, :]
     follow = jnp.full((rows,), -1, jnp.int32)  # where the draft starts
     matched = jnp.zeros((rows,), jnp.int32)
-    for n in range(1, LONGEST_NGRAM + 1):  # longer matches override shorter ones
-        suffix = jnp.take_along_axis(
-            history, jnp.clip(known[:, None] - n + jnp.arange(n), 0, seq - 1), axis=1
-        )
+    for n, suffix in enumerate(_suffixes(history, positions), start=1):  # longer ones override shorter
         # An earlier occurrence: it ends before the last token, so its continuation is known.
         match = start + n < known[:, None]
         for m in range(n):
@@ -89,14 +86,59 @@ def ngram_drafts(history: jax.Array, positions: jax.Array, k: int) -> tuple[jax.
     return jnp.where(real, drafts, 0), real, matched
 
 
+def _suffixes(history: jax.Array, positions: jax.Array) -> list[jax.Array]:
+    """Each row's last n tokens [rows, n], for n = 1 .. LONGEST_NGRAM (clipped at position 0)."""
+    seq, known = history.shape[1], positions + 1
+    at = lambda n: jnp.clip(known[:, None] - n + jnp.arange(n), 0, seq - 1)
+    return [jnp.take_along_axis(history, at(n), axis=1) for n in range(1, LONGEST_NGRAM + 1)]
+
+
+def prediction_drafts(prediction, history, positions, generated, k: int) -> tuple[jax.Array, ...]:
+    """Draft tokens [rows, k], which are real [rows, k] and the match's length n [rows] (0: none),
+    from each row's predicted output [rows, L] (-1 past its end): the predicted tokens that follow
+    an occurrence in it of the row's last n tokens (the longest n with one). Of several, the one
+    whose continuation is nearest the output's own length (`generated`): an output that follows its
+    prediction, edits and all, is about as far into it as it is long."""
+    rows, seq = prediction.shape
+    pad = max(k, LONGEST_NGRAM)
+    padded = jnp.pad(prediction, ((0, 0), (0, pad)), constant_values=-1)
+    start = jnp.arange(seq)[None, :]
+    follow = jnp.full((rows,), -1, jnp.int32)
+    matched = jnp.zeros((rows,), jnp.int32)
+    for n, suffix in enumerate(_suffixes(history, positions), start=1):
+        match = (padded[:, n : n + seq] >= 0) & (n <= positions[:, None] + 1)  # a known continuation
+        for m in range(n):
+            match &= padded[:, m : m + seq] == suffix[:, m : m + 1]
+        distance = jnp.where(match, jnp.abs(start + n - generated[:, None]), 2 * seq)
+        nearest = jnp.argmin(distance, axis=1)
+        found = jnp.any(match, axis=1)
+        follow = jnp.where(found, nearest + n, follow)
+        matched = jnp.where(found, n, matched)
+    at = jnp.clip(follow[:, None] + jnp.arange(k)[None, :], 0, seq + pad - 1)
+    drafts = jnp.take_along_axis(padded, at, axis=1)
+    real = (follow[:, None] >= 0) & (drafts >= 0)
+    return jnp.where(real, drafts, 0), real, matched
+
+
 def _ngram_source(params, cache, state, tables, active, k, **_):
+    """Drafts from the row's predicted output where it matches at least as long a suffix as the
+    row's own tokens do (kinds LONGEST_NGRAM + n - 1), else from its own tokens (kinds n - 1)."""
     drafts, real, matched = ngram_drafts(state.history, state.positions, k)
-    return drafts, real, jnp.maximum(matched - 1, 0), cache
+    guess, guess_real, guess_matched = prediction_drafts(
+        state.prediction, state.history, state.positions, state.generated, k
+    )
+    use = (guess_matched > 0) & (guess_matched >= matched)
+    kind = jnp.where(use, LONGEST_NGRAM + guess_matched - 1, jnp.maximum(matched - 1, 0))
+    return jnp.where(use[:, None], guess, drafts), jnp.where(use[:, None], guess_real, real), kind, cache
 
 
 def _model_source(params, cache, state, tables, active, k, **options):
     drafts, real, cache = model_drafts(params, cache, state, tables, active, k, **options)
     return drafts, real, jnp.zeros(active.shape, jnp.int32), cache
+
+
+PREDICTION_PRIORS = (0.6, 0.8, 0.85, 0.9, 0.9, 0.95)
+PREDICTED_KINDS = range(LONGEST_NGRAM, 2 * LONGEST_NGRAM)  # the kinds of drafts from a prediction
 
 
 class DraftSource(NamedTuple):
@@ -111,12 +153,16 @@ class DraftSource(NamedTuple):
 
 # N-gram drafts' kinds are their match lengths, 1 .. LONGEST_NGRAM: over SmolLM2's greedy edits and
 # chats (every position of 13 outputs), a draft token was accepted with chance 0.32 after a 1-token
-# match, 0.65, 0.77, 0.85, 0.87 after 2-5 tokens and 0.92 after 6 or more. A draft model's prior is
+# match, 0.65, 0.77, 0.85, 0.87 after 2-5 tokens and 0.92 after 6 or more. Drafts from a request's
+# predicted output are kinds of their own, LONGEST_NGRAM + 1 .. 2 x LONGEST_NGRAM by match length
+# (PREDICTION_PRIORS). A draft model's prior is
 # optimistic: where its passes are dear only a draft that is nearly always right pays, and a lower
 # prior would never try one; one that agrees less shows it in its first checked drafts (the
 # engine's chances follow them). Trained heads (EAGLE / MTP) would read the target's hidden states.
 DRAFT_SOURCES = {
-    "ngram": DraftSource(_ngram_source, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92), per_step=True),
+    "ngram": DraftSource(
+        _ngram_source, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92, *PREDICTION_PRIORS), per_step=True
+    ),
     "draft": DraftSource(_model_source, (0.9,), per_step=False),
 }
 

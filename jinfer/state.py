@@ -11,7 +11,7 @@ The transitions every decoding verb shares live here too: a decode over slots 0.
 their rows (`rows_of`, `put_rows`; `scan_rows` runs several steps of it), and `sample_rows`
 samples them and advances the sampled ones (token, position, counts, token history);
 `set_history` sets a slot's prompt mask, output counts and token history from the tokens the
-request really has.
+request really has, and its predicted output.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class SlotState:
     stop_mask: jax.Array  # [S, V] bool: eos + stop_token_ids
     logits: jax.Array  # [S, V] float32: a deferred decode row's logits, until `sample` takes them
     history: jax.Array  # [S, L] int32: the token at each position (speculative drafts look there)
+    # [S, L] int32: the text the request expects its output to be (`prediction`, drafts look there
+    # too), -1 past its end; set by `history`.
+    prediction: jax.Array
     sampling: SamplingArrays  # [S] knobs
 
 
@@ -69,6 +72,7 @@ STATE = SlotState(
     stop_mask=StateSpec(("slots", "vocab"), jnp.bool_, False),
     logits=StateSpec(("slots", "vocab"), jnp.float32, 0.0),
     history=StateSpec(("slots", "seq"), jnp.int32, 0),
+    prediction=StateSpec(("slots", "seq"), jnp.int32, -1),
     sampling=jax.tree.map(lambda a: StateSpec(("slots",), a.dtype, a[0]), _EMPTY_KNOBS),
 )
 
@@ -352,10 +356,12 @@ def pack_pieces(
 
 
 def set_history(state: SlotState, packed: jax.Array, *, vocab: int) -> SlotState:
-    """Set one slot's prompt mask, output counts and token history from its tokens: packed =
-    [slot, prompt length, length, tokens (padded)...] int32; tokens before the prompt length are
-    the prompt's, the rest up to length outputs."""
-    slot, prompt_len, length, tokens = packed[0], packed[1], packed[2], packed[3:]
+    """Set one slot's prompt mask, output counts, token history and predicted output: packed =
+    [slot, prompt length, length, tokens (padded to L)..., prediction (-1 past its end, L)...]
+    int32; tokens before the prompt length are the prompt's, the rest up to length outputs."""
+    seq = state.history.shape[1]
+    slot, prompt_len, length = packed[0], packed[1], packed[2]
+    tokens, prediction = packed[3 : 3 + seq], packed[3 + seq :]
     index = jnp.arange(tokens.shape[0])
     prompt_ids = jnp.where(index < prompt_len, tokens, vocab)
     output_ids = jnp.where((index >= prompt_len) & (index < length), tokens, vocab)
@@ -364,13 +370,20 @@ def set_history(state: SlotState, packed: jax.Array, *, vocab: int) -> SlotState
     return state.replace(
         prompt_mask=state.prompt_mask.at[slot].set(mask),
         counts=state.counts.at[slot].set(counts),
-        history=state.history.at[slot].set(tokens[: state.history.shape[1]]),
+        history=state.history.at[slot].set(tokens),
+        prediction=state.prediction.at[slot].set(prediction),
     )
 
 
-def pack_history(slot: int, tokens: list[int], prompt_len: int, max_seq_len: int) -> np.ndarray:
-    """The `history` verb's argument: [slot, prompt length, length, tokens padded to max_seq_len]."""
-    packed = np.zeros(3 + max_seq_len, np.int32)
+def pack_history(
+    slot: int, tokens: list[int], prompt_len: int, max_seq_len: int, prediction: tuple[int, ...] = ()
+) -> np.ndarray:
+    """The `history` verb's argument: [slot, prompt length, length, tokens padded to max_seq_len,
+    the predicted output's tokens (at most max_seq_len) padded with -1]."""
+    packed = np.zeros(3 + 2 * max_seq_len, np.int32)
     packed[:3] = slot, prompt_len, len(tokens)
     packed[3 : 3 + len(tokens)] = tokens
+    predicted = packed[3 + max_seq_len :]
+    predicted[:] = -1
+    predicted[: len(prediction)] = prediction[:max_seq_len]
     return packed

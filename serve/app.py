@@ -143,9 +143,8 @@ class JinferAPI:
         self.responses_writer = ResponsesWriter(context, self.writer)
         self.messages_writer = MessagesWriter(context, self.writer)
         directory = self.settings.batch_dir or tempfile.mkdtemp(prefix="jinfer-batches-")
-        self.batch_runner = BatchRunner(
-            directory, FileStore(directory), self.answer, self.engine.layout.max_slots
-        )
+        slots = self.settings.batch_slots or max(1, self.engine.layout.max_slots // 8)
+        self.batch_runner = BatchRunner(directory, FileStore(directory), self.answer, slots)
         self._warmup = asyncio.create_task(self._warm_up())
 
     async def _warm_up(self) -> None:
@@ -233,6 +232,7 @@ class JinferAPI:
                 "cache_salt": req.cache_salt,
                 "adapter": req.adapter,
                 "priority": req.priority,
+                "prediction": req.prediction,
             }
             if req.kind == "chat":
                 chat = {

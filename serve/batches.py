@@ -11,9 +11,10 @@ A batch's input lines ({"custom_id", "method": "POST", "url", "body"}) run on th
 runner uses (`jinfer.batch`: what is already written is skipped on resume, a torn last line cut
 off, a malformed line an error line and never a failed batch), each as the same request over HTTP
 would (`JinferAPI.answer`), at `BATCH_PRIORITY`: below every interactive request, which takes a
-slot from a batch line at once (`jinfer.scheduler`). At most as many lines as the engine has slots
-are in flight, so batch work never fills the waiting queue interactive requests are admitted
-through; a line turned away for a full queue or a warming / draining server is tried again later,
+slot from a batch line at once (`jinfer.scheduler`). At most `--batch-slots` lines (over every
+batch) are in flight: batch work never fills the waiting queue interactive requests are admitted
+through, and the dispatch a user's request arrives during, which it must wait out, carries few
+batch rows, so it is short; a line turned away for a full queue or a warming / draining server is tried again later,
 never written. `completion_window` is accepted as "24h" and not enforced.
 """
 
@@ -216,6 +217,8 @@ class BatchRunner:
         self.directory = os.path.join(directory, "batches")
         os.makedirs(self.directory, exist_ok=True)
         self.files, self.answer, self.concurrency = files, answer, concurrency
+        # Lines in flight over every batch: each holds a slot of the engine while it runs.
+        self.running = asyncio.Semaphore(concurrency)
         self.batches: dict[str, Batch] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         for name in sorted(os.listdir(self.directory)):
@@ -343,7 +346,10 @@ class BatchRunner:
                 batch.record(_error_line(line, "invalid_request", problem), ok=False)
                 continue
             while True:
-                status, body = await self.answer(batch.obj["endpoint"], line.entry["body"], BATCH_PRIORITY)
+                async with self.running:
+                    status, body = await self.answer(
+                        batch.obj["endpoint"], line.entry["body"], BATCH_PRIORITY
+                    )
                 if status not in RETRY_STATUSES:
                     break
                 await asyncio.sleep(RETRY_SECONDS)

@@ -164,6 +164,7 @@ class GenerationRequest:
     adapter: str | None = None  # the loaded adapter its `model` names (the server resolves it), or None
     template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # chat: how it renders
     priority: int = 0  # lower runs first (vLLM's; checked where it is prepared)
+    prediction: str | None = None  # OpenAI's Predicted Outputs: the text the output is expected to be
 
     @property
     def choices(self) -> int:
@@ -299,6 +300,7 @@ _COMMON_FIELDS = {
     "response_format",
     # jinfer's own
     "top_k", "regex", "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt", "priority",
+    "prediction",
     # vLLM's constraint spellings (`_vllm_constraint`)
     *_GUIDED, "structured_outputs",
     *_SAMPLING_FIELDS,
@@ -388,6 +390,7 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         parallel_tool_calls=body.get("parallel_tool_calls", True),
         template=_chat_template(body) if kind == "chat" else ChatTemplate(),
         priority=0 if body.get("priority") is None else body["priority"],
+        prediction=_prediction(body),
         **session,
     )
 
@@ -468,6 +471,29 @@ def _check_tool_fields(body: dict[str, Any], kind: str) -> None:
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 VERBOSITIES = ("low", "medium", "high")
+
+
+def _prediction(body: dict[str, Any]) -> str | None:
+    """OpenAI's `prediction`: {"type": "content", "content": text or text parts} -> the text."""
+    prediction = body.get("prediction")
+    if prediction is None:
+        return None
+    if (
+        not isinstance(prediction, dict)
+        or prediction.get("type") != "content"
+        or set(prediction) - {"type", "content"}
+    ):
+        raise APIError(400, '\'prediction\' must be {"type": "content", "content": ...}', param="prediction")
+    content = prediction.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = [p.get("text") for p in content]
+        if all(isinstance(t, str) for t in content):
+            return "".join(content)
+    if not isinstance(content, str):
+        raise APIError(
+            400, "'prediction.content' must be a string or a list of text parts", param="prediction"
+        )
+    return content
 
 
 def _check_reasoning_fields(body: dict[str, Any]) -> None:

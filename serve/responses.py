@@ -77,15 +77,16 @@ def format_logprobs(
     }
 
 
-def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object. The prompts' figures come from a finished choice of each (`finals`,
-    one per prompt, None where none finished): the prompt tokens the engine used (fewer than sent
-    when it truncated) and how many of them it found in the prefix cache."""
+def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int, n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage object, from each choice's final event (`finals`, n per prompt, None where
+    none finished). The prompts' figures come from a choice of each: the prompt tokens the engine
+    used (fewer than sent when it truncated) and how many of them it found in the prefix cache."""
     prompt_tokens = cached = 0
-    for final, ids in zip(finals, prompt_ids, strict=True):
+    for final, ids in zip(finals[::n], prompt_ids, strict=True):
         metrics = final.metrics if final is not None and final.metrics else {}
         prompt_tokens += metrics.get("prompt_tokens", len(ids))
         cached += metrics.get("cached_prompt_tokens", 0)
+    predicted = lambda name: sum(f.metrics.get(name, 0) for f in finals if f is not None and f.metrics)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -93,8 +94,8 @@ def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int) -> 
         "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens_details": {
             "reasoning_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
+            "accepted_prediction_tokens": predicted("accepted_prediction_tokens"),
+            "rejected_prediction_tokens": predicted("rejected_prediction_tokens"),
         },
     }
 
@@ -167,7 +168,7 @@ class ChunkWriter:
         """The last chunk when `include_usage`: no choices, the usage, jinfer's seed and timings."""
         req, finals = self.req, [choice.final for choice in choices]
         completion_tokens = sum(f.metrics["completion_tokens"] for f in finals if f.metrics)
-        body = {**self.head, "choices": [], "usage": usage(finals[:: req.n], prompt_ids, completion_tokens)}
+        body = {**self.head, "choices": [], "usage": usage(finals, prompt_ids, completion_tokens, req.n)}
         body["jinfer"] = {"seed": self.seed, "timings": [timings(f.metrics) for f in finals]}
         return sse_data(body)
 
@@ -316,7 +317,7 @@ class ResponseWriter:
             "created": now(),
             "model": req.adapter or self.model_name,
             "choices": body_choices,
-            "usage": usage([c["final"] for c in choices[:: req.n]], prompt_ids, completion_tokens),
+            "usage": usage([c["final"] for c in choices], prompt_ids, completion_tokens, req.n),
             "system_fingerprint": self.fingerprint,
             "jinfer": {"seed": submitted.seed, "timings": [timings(c["final"].metrics) for c in choices]},
         }

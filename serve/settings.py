@@ -33,12 +33,26 @@ class ServerConfig:
     batch_dir: str | None = setting(
         None, "directory of uploaded files and batches, resumed after a restart; unset: a temporary one"
     )
+    batch_slots: int | None = setting(
+        None,
+        "the most Batch API lines running at once, over all batches; a dispatch beside few batch rows "
+        "is quick, so a user arriving waits less for the one in flight; unset: an eighth of the slots",
+    )
     max_file_bytes: int = setting(512 * 2**20, "largest file upload accepted (413 beyond)")
     log_level: str = setting("info", "logging level")
 
     def __post_init__(self):
-        for name in ("port", "max_body_bytes", "stream_max_tokens", "retry_after_s", "max_file_bytes"):
+        for name in (
+            "port",
+            "max_body_bytes",
+            "stream_max_tokens",
+            "retry_after_s",
+            "max_file_bytes",
+            "batch_slots",
+        ):
             value = getattr(self, name)
+            if name == "batch_slots" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "port" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("stream_max_delay_ms", "keepalive_s", "drain_timeout"):

@@ -106,6 +106,17 @@ HOSTILE = {
         b'{"prompt": "x", "add_special_tokens": "no"}',
     ),
     "GET on a POST route": ("GET", "/v1/completions", None),
+    "prediction not content": ("POST", "/v1/chat/completions", _chat("x", prediction={"type": "text"}).encode()),
+    "prediction parts not text": (
+        "POST",
+        "/v1/chat/completions",
+        _chat("x", prediction={"type": "content", "content": [{"type": "text", "text": 5}]}).encode(),
+    ),
+    "prediction with a surrogate": (
+        "POST",
+        "/v1/completions",
+        b'{"prompt": "x", "prediction": {"type": "content", "content": "\\ud800"}}',
+    ),
     # Anthropic's Messages routes: the same checks, answered in Anthropic's error shape.
     "messages: surrogate in text": ("POST", "/v1/messages", _message('"\\ud800"')),
     "messages: deep nesting": (

@@ -20,9 +20,9 @@ from jinfer.loading import CheckpointError
 from jinfer.speculation import DraftRecord, Speculation
 from jinfer.speculative import (
     DRAFT_SOURCES,
-    LONGEST_NGRAM,
     best_length,
     ngram_drafts,
+    prediction_drafts,
     program_lengths,
     verify_programs,
 )
@@ -92,6 +92,24 @@ def test_drafts_follow_the_latest_longest_earlier_match():
     assert drafts[3, :2].tolist() == [9, 8] and real[3].tolist() == [True, True, False, False]
 
 
+def test_prediction_drafts_follow_the_match_nearest_the_outputs_length():
+    prediction = np.full((3, 16), -1, np.int32)
+    prediction[:, :8] = [4, 5, 6, 4, 5, 7, 8, 9]  # "4 5" twice: after 6 and after 7
+    history = np.zeros((3, 16), np.int32)
+    history[0, :5] = [1, 2, 3, 4, 5]  # 2 outputs so far (prompt 1 2 3): 4 5 -> continue at 2
+    history[1, :8] = [1, 2, 3, 9, 9, 9, 4, 5]  # 5 outputs: the second "4 5" -> 7 8 9, then its end
+    history[2, :4] = [1, 2, 3, 9]  # the prediction's last token: nothing known after it
+    positions, generated = np.array([4, 7, 3]), np.array([2, 5, 1])
+    drafts, real, matched = (
+        np.asarray(a)
+        for a in jax.jit(prediction_drafts, static_argnums=4)(prediction, history, positions, generated, 4)
+    )
+    assert matched.tolist() == [2, 2, 0]
+    assert drafts[0].tolist() == [6, 4, 5, 7] and real[0].all()
+    assert drafts[1, :3].tolist() == [7, 8, 9] and real[1].tolist() == [True, True, True, False]
+    assert not real[2].any()
+
+
 def test_each_step_takes_the_draft_length_with_the_most_tokens_per_cost():
     """The device's choice per step (`best_length`): a row with long real drafts of a kind that is
     usually accepted verifies many; a batch whose drafts are short, seldom accepted or absent
@@ -139,7 +157,7 @@ def test_the_host_verifies_where_some_length_could_pay():
     assert k == 4 and plan.drafting.tolist() == [True] and plan.force == -1 and records == [fresh]
     assert plan.costs.tolist() == pytest.approx([1.0, 1.3, 1.6, 2.1])  # lengths 0, 1, 2, 4
     assert plan.chances[0].tolist() == pytest.approx(DRAFT_SOURCES["ngram"].priors)
-    failing = evidence([[0.0, 5.0]] * LONGEST_NGRAM, pooled=(0.0, 5.0))
+    failing = evidence([[0.0, 5.0]] * len(DRAFT_SOURCES["ngram"].priors), pooled=(0.0, 5.0))
     drifting, plain = DraftRecord(drafting=True, evidence=failing), 0
     while (chosen := ngram.choose(1, [drifting], steps=4))[0] is None:
         (drifting,) = chosen[1]
@@ -210,7 +228,7 @@ def test_the_always_policy_verifies_every_draft_whatever_it_costs():
 
     variants = ((1, 1), (1, 2), (1, 4), (16, 1))
     always = Speculation(Layout(speculative="ngram", verify_variants=variants), "always")
-    failing = np.array([[0.0, 50.0]] * LONGEST_NGRAM + [[0.0, 50.0]], np.float32)
+    failing = np.array([[0.0, 50.0]] * (len(DRAFT_SOURCES["ngram"].priors) + 1), np.float32)
     rows = [DraftRecord(drafting=True, evidence=failing)]
     (k, plan), _ = always.choose(1, rows, steps=4)
     assert k == 4 and plan.costs.tolist() == [1.0] * 4
@@ -276,6 +294,35 @@ def test_same_tokens_with_speculation_in_every_slot(pair, speculating, sampling,
             (m["accepted_tokens"], m["draft_tokens"]) for m in greedy_rows
         ]
         assert sum(m["draft_tokens"] for m in greedy_rows) > 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_prediction_drafts_and_changes_no_token(pair, sampling, monkeypatch):
+    """A request's predicted output (OpenAI's `prediction`): right, its tokens are drafted and
+    accepted; partly wrong, some rejected; either way the output is the one without it, alone and beside
+    others; the next request in its slot drafts nothing from it."""
+    off, on = pair
+    monkeypatch.setattr(on.engine.speculation, "seen", Speculation(on.engine.layout).seen)
+    target = _prompt(3, 20)  # no repeats: its own tokens give (next to) no drafts
+    (alone,) = off.generate([target], sampling)
+    right = alone.token_ids
+    wrong = [t if i % 5 else 3 + (t - 2) % (VOCAB - 3) for i, t in enumerate(right)]  # every fifth other
+    (guessed,) = on.generate([target], sampling, prediction=[right])
+    assert guessed.token_ids == alone.token_ids
+    # How many depends on this machine's measured verify costs; that some are taken does not.
+    assert 0 < guessed.metrics["accepted_prediction_tokens"] < len(alone.token_ids), guessed.metrics
+    (missed,) = on.generate([target], sampling, prediction=[wrong])
+    assert missed.token_ids == alone.token_ids
+    assert missed.metrics["rejected_prediction_tokens"] > 0, missed.metrics
+    (after,) = on.generate([target], sampling)  # slot 0 again, its prediction gone
+    assert after.token_ids == alone.token_ids
+    assert after.metrics["accepted_prediction_tokens"] == after.metrics["rejected_prediction_tokens"] == 0
+    neighbours = [_cotenant(50 + i) for i in range(5)]
+    prompts, samplings = [target] + [p for p, _ in neighbours], [sampling] + [s for _, s in neighbours]
+    predictions = [right, None, wrong, None, right, None]
+    crowd = on.generate(prompts, samplings, prediction=predictions)
+    assert [r.token_ids for r in crowd] == [r.token_ids for r in off.generate(prompts, samplings)]
+    assert crowd[0].metrics["accepted_prediction_tokens"] > 0
 
 
 def _chi2_sf(x: float, dof: int) -> float:
@@ -527,6 +574,17 @@ def test_server_speculates_unless_a_request_opts_out(tiny_model, source):
         timings_on, timings_off = on["jinfer"]["timings"][0], off["jinfer"]["timings"][0]
         assert timings_on["verify_steps"] > 0 and timings_on["accepted_tokens"] > 0, timings_on
         assert timings_off["verify_steps"] == timings_off["draft_tokens"] == 0
+        if source == "ngram":  # OpenAI's Predicted Outputs, as its client sends them
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "one two"}], "max_tokens": 30}
+            plain = client.chat.completions.create(**chat, temperature=0)
+            text = plain.choices[0].message.content
+            guessed = client.chat.completions.create(
+                **chat, temperature=0, prediction={"type": "content", "content": text}
+            )
+            assert guessed.choices[0].message.content == text
+            details = guessed.usage.completion_tokens_details
+            assert details.accepted_prediction_tokens > 0, (text, details)
+            assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
         metrics = httpx.get(base + "/metrics", headers=AUTH).text
         assert "jinfer_verify_dispatches_total" in metrics and "jinfer_accepted_draft_tokens_total" in metrics
         bad = httpx.post(base + "/v1/completions", json={**body, "speculative": "yes"}, headers=AUTH)
