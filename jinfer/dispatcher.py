@@ -219,7 +219,9 @@ class Dispatcher:
         spared = request.drafts.drafting and work.start > 0
         prediction = request.prediction_ids if request.drafts.drafting else ()
         stale = work.slot in self.predicted_slots
-        if work.first and (request.sampling.penalised or spared or prediction or stale):
+        # A reasoning budget reads the output's counts too.
+        counted = request.sampling.penalised or request.budget is not None
+        if work.first and (counted or spared or prediction or stale):
             packed = pack_history(
                 work.slot, request.prefill_ids, len(request.prompt_ids), self.layout.max_seq_len, prediction
             )

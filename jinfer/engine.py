@@ -167,7 +167,9 @@ class Engine:
         """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check
         but its inputs to the registered processors (a RequestError)."""
         sampling = prepared.sampling
-        drafting = self.speculation is not None and may_draft(sampling, prepared.grammar is not None)
+        reasoning = prepared.reasoning
+        held = prepared.grammar is not None or (reasoning is not None and reasoning.budget is not None)
+        drafting = self.speculation is not None and may_draft(sampling, held)
         adapter, salt = self.adapters.resolve(prepared.adapter, prepared.cache_salt)
         if self.weights_version:  # a request kept through an update leaves pages of the old weights
             salt = f"{salt or ''}\x00weights {self.weights_version}"
@@ -179,9 +181,13 @@ class Engine:
             stop_ids=prepared.stop_ids,
             seed=sampling.seed,
             sink=sink,
-            # With tools, special tokens stay in the text: some conventions mark calls with one.
+            # With tools, special tokens stay in the text: some conventions mark calls with one; so do
+            # a reasoning model's markers where they are special.
             stream=TextStream(
-                self.tokenizer, prepared.prompt_ids, tuple(sampling.stop or ()), prepared.tools is None
+                self.tokenizer,
+                prepared.prompt_ids,
+                tuple(sampling.stop or ()),
+                prepared.tools is None and not (reasoning is not None and reasoning.format.special),
             ),
             dropped_prompt_tokens=prepared.dropped_prompt_tokens,
             kv=SequencePages(salt, drafted=drafting and self.steps.draft_model is not None),
@@ -192,6 +198,7 @@ class Engine:
             weights_version=self.weights_version,
             priority=prepared.priority,
             prediction_ids=prepared.prediction_ids,
+            reasoning=reasoning,
         )
 
     def enqueue(self, request: Request, block: bool = False) -> None:

@@ -25,6 +25,7 @@ from jinfer.inputs import RowProcessor
 from jinfer.loading import default_model_path, engine_weights, load_model, placement_for
 from jinfer.models.params import unpacked
 from jinfer.prepare import PreparedRequest
+from jinfer.reasoning import split_output
 from jinfer.request import RequestOutput
 from jinfer.sampling import SamplingParams
 from jinfer.tools import ToolCall, finish_output
@@ -44,6 +45,7 @@ class Completion:
     error: str | None = None
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # chat with tools: text = the rest
     # (finish_reason "tool_calls" when the output is calls)
+    reasoning: str | None = None  # a reasoning model's thinking (text = the answer); None: it did not think
 
 
 class _Collector:
@@ -265,6 +267,7 @@ class LLM:
                 if collector.final is not None:
                     completion = collector.completion(request.prompt_ids)
                     completion.metrics["dropped_messages"] = prepared.dropped_messages
+                    completion.reasoning, completion.text = split_output(prepared.reasoning, completion.text)
                     text, calls, reason = finish_output(
                         prepared.tools, completion.text, completion.finish_reason
                     )

@@ -6,6 +6,7 @@
     device limits (vocabulary, logit-bias and stop-id slots) -> checked here, before the engine
     constraint (json_schema / regex / grammar)               -> compiled once per distinct one
     tools and tool_choice (chat)                             -> in the prompt; a required call's grammar
+    a reasoning model's chat (`jinfer.reasoning`)            -> where its thinking starts; its budget
 
 A `PreparedRequest` is what the engine accepts; everything wrong with a request is a
 `RequestError` (a ValueError naming the field) or a `ContextLengthError` raised here, so nothing
@@ -26,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jinfer.config import CONTEXT_POLICIES, MAX_LOGIT_BIAS, MAX_STOP_IDS
+from jinfer.reasoning import Reasoning, reasoning_format_of
 from jinfer.sampling import RequestError, SamplingParams
 from jinfer.structured import CompiledGrammar, Grammars
 from jinfer.tokenizer import Tokenizer, TokenizerError
@@ -72,6 +74,7 @@ class PreparedRequest:
     # The output's expected tokens (OpenAI's Predicted Outputs): speculative decoding's drafts look
     # there too, so a right guess is verified several tokens a pass; the output is the same either way.
     prediction_ids: tuple[int, ...] = ()
+    reasoning: Reasoning | None = None  # a reasoning model's chat: how its output thinks (`jinfer.reasoning`)
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -182,6 +185,7 @@ class RequestPreparer:
         self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)
         # How this model calls tools, and whether its chat template takes them (jinfer.tools).
         self.tool_convention, self.template_takes_tools = convention_of(tokenizer)
+        self.reasoning_format = reasoning_format_of(tokenizer)  # None: the model does not reason
 
     # ------------------------------------------------------------------------------ parts
     def sampling(self, sampling: SamplingParams | None) -> SamplingParams:
@@ -297,6 +301,11 @@ class RequestPreparer:
         if len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}", "stop_token_ids")
         grammar = self.grammars.compile(sampling)
+        reasoning = None
+        if messages is not None and self.reasoning_format is not None:
+            reasoning = Reasoning.of_prompt(self.reasoning_format, ids, sampling.max_reasoning_tokens)
+        if reasoning is not None and grammar is not None:  # it holds the answer, not the thinking
+            grammar = grammar.after_thinking(reasoning)
         return PreparedRequest(
             ids,
             sampling,
@@ -310,6 +319,7 @@ class RequestPreparer:
             adapter,
             priority,
             self._prediction_ids(prediction),
+            reasoning,
         )
 
     def _prediction_ids(self, prediction: str | Sequence[int] | None) -> tuple[int, ...]:

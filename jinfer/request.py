@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jinfer.paging import SequencePages
+from jinfer.reasoning import BudgetKnobs, Reasoning
 from jinfer.sampling import SamplingArrays, SamplingParams
 from jinfer.speculation import DraftRecord
 from jinfer.state import cut_pieces
@@ -79,6 +80,7 @@ class Request:
     adapter: int = -1  # its slot in the engine's adapter stack (`jinfer.adapter_slots`), -1: none
     priority: int = 0  # lower runs first (`jinfer.scheduler`)
     prediction_ids: tuple[int, ...] = ()  # the output it expects (drafts look there; `PreparedRequest`)
+    reasoning: Reasoning | None = None  # a reasoning model's chat: how it thinks (`jinfer.reasoning`)
     weights_version: int = 0  # of the weights it started on (`Engine.update_weights`)
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -98,6 +100,19 @@ class Request:
         if self.constraint is not None and self.in_flight > 1:
             return False
         return self.running and len(self.output_ids) + self.in_flight < self.max_tokens
+
+    @property
+    def budget(self) -> BudgetKnobs | None:
+        """Its thinking's budget as the device reads it, None: no budget."""
+        return None if self.reasoning is None or self.reasoning.budget is None else self.reasoning.knobs()
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Output tokens of its thinking (through the closing marker)."""
+        if self.reasoning is None:
+            return 0
+        close = self.reasoning.format.close_id
+        return self.output_ids.index(close) + 1 if close in self.output_ids else len(self.output_ids)
 
     def dispatch_tokens(self, steps: int) -> int:
         """Tokens a decode dispatch of `steps` steps makes for it (one, when constrained)."""
@@ -139,6 +154,7 @@ class Request:
             "draft_tokens": self.drafts.drafted,
             "accepted_tokens": self.drafts.accepted,
             "verify_steps": self.drafts.verify_steps,
+            "reasoning_tokens": self.reasoning_tokens,
             "accepted_prediction_tokens": self.drafts.predicted_accepted,
             "rejected_prediction_tokens": self.drafts.predicted_rejected,
             "weights_version": self.weights_version,
@@ -169,7 +185,7 @@ class PrefillWork:
             min_tokens=sp.min_tokens,
             bias=sp.logit_bias or {},
             stop_ids=sorted(request.stop_ids),
-            sampling=SamplingArrays.from_params([sp], [request.seed]),
+            sampling=SamplingArrays.from_params([sp], [request.seed], [request.budget]),
             vocab=vocab,
         )
 

@@ -7,6 +7,7 @@ seed folded with the token position: a row's draw never depends on its neighbour
     logits [B, V] -> penalties (repetition / presence / frequency) -> + logit_bias
         -> the engine's registered processors (`jinfer.inputs.RowProcessor`), with each row's input
         -> rows short of min_tokens: -inf for stop tokens -> constrained rows: -inf outside the allowed tokens
+        -> rows whose thinking ran out of budget (`jinfer.reasoning`): only the closing marker
         -> greedy rows: argmax | sampled rows: / temperature -> top-k -> top-p -> min-p -> categorical
 
 `process` is that chain, the one every step that samples goes through (prefill, decode, `sample`,
@@ -75,6 +76,11 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None  # token ids that end the output, beside eos
     ignore_eos: bool = setting(False, "keep generating past end-of-sequence tokens")
     min_tokens: int = setting(0, "tokens to generate before a stop token may end the output")
+    max_reasoning_tokens: int | None = setting(
+        None,
+        "a reasoning model's budget of thinking tokens: past it the thinking is closed and the answer "
+        "follows (`jinfer.reasoning`); unset: none",
+    )
     logprobs: int | None = None  # number of top alternatives to report per token (0: chosen only)
     logprobs_mode: str = setting(
         "raw", "log-probs of the model's distribution (raw) or of the one the token is drawn from (processed)"
@@ -140,6 +146,8 @@ def _validate(p: SamplingParams) -> None:
     if p.top_k is not None:
         integer("top_k", p.top_k, 0)
     integer("min_tokens", p.min_tokens, 0)
+    if p.max_reasoning_tokens is not None:
+        integer("max_reasoning_tokens", p.max_reasoning_tokens, 0)
     if p.seed is not None:
         integer("seed", p.seed, 0, SEED_LIMIT - 1)
     if p.logprobs is not None:
@@ -237,13 +245,24 @@ class SamplingArrays:
     frequency_penalty: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
     logprobs_mode: jax.Array  # [B] int32: the index of the row's mode in LOGPROBS_MODES
+    # A reasoning budget (`jinfer.reasoning.BudgetKnobs`): the thinking's opening marker (-1: the
+    # prompt opened it), its closing one (-1: no budget), the output tokens before it is due.
+    think_open: jax.Array  # [B] int32
+    think_close: jax.Array  # [B] int32
+    think_limit: jax.Array  # [B] int32
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> SamplingArrays:
-        """Rows of resolved params (`SamplingParams.resolve`): an unset knob would become NaN."""
+    def from_params(
+        cls, params: Sequence[SamplingParams], seeds: Sequence[int], budgets=None
+    ) -> SamplingArrays:
+        """Rows of resolved params (`SamplingParams.resolve`): an unset knob would become NaN;
+        `budgets`: each row's reasoning budget knobs (open, close, limit), None: no budget."""
         if not all(p.resolved for p in params):
             raise ValueError("SamplingArrays needs resolved SamplingParams (SamplingParams.resolve)")
         col = lambda name, dtype: np.array([getattr(p, name) for p in params], dtype=dtype)
+        budget = np.array(
+            [(-1, -1, 0) if b is None else tuple(b) for b in budgets or [None] * len(params)], np.int32
+        )
         return cls(
             temperature=col("temperature", np.float32),
             top_k=col("top_k", np.int32),
@@ -254,6 +273,9 @@ class SamplingArrays:
             frequency_penalty=col("frequency_penalty", np.float32),
             seed=np.array([seed % 2**32 for seed in seeds], dtype=np.uint32),
             logprobs_mode=np.array([LOGPROBS_MODES.index(p.logprobs_mode) for p in params], np.int32),
+            think_open=budget[:, 0],
+            think_close=budget[:, 1],
+            think_limit=budget[:, 2],
         )
 
 
@@ -384,14 +406,15 @@ class StepOutput:
 
 @jax.named_scope("sampling")
 def process(
-    logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors=()
+    logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors=(), forced=None
 ) -> jax.Array:
     """The one logits-processing chain, from raw logits [B, V] (or [B, T, V]: T positions of each
     row, a verify step's) to what `sample` draws from: penalties (prompt_mask, counts [B, V]),
     logit bias [B, V], the registered processors ((function, each row's input [B, ...]) pairs,
     `jinfer.inputs.RowProcessor`), stop tokens (stop_mask [B, V]) banned where `banning` [B] (or
-    [B, T]: short of min_tokens), and the allowed-token bitmask (allowed [B, W],
-    `jinfer.structured`; None: every row unconstrained). Every step that samples goes through it."""
+    [B, T]: short of min_tokens), the allowed-token bitmask (allowed [B, W],
+    `jinfer.structured`; None: every row unconstrained), and last the token a row must take
+    (`forced` [B] or [B, T], -1: none; `forced_tokens`). Every step that samples goes through it."""
     processed = apply_penalties(logits, prompt_mask, counts, sampling) + _per_row(bias, logits)
     for function, values in processors:
         processed = _each_position(function, processed, values)
@@ -400,7 +423,27 @@ def process(
         lambda: jnp.where(_per_row(stop_mask, logits) & banning[..., None], -jnp.inf, processed),
         lambda: processed,
     )
-    return processed if allowed is None else mask_disallowed(processed, allowed)
+    processed = processed if allowed is None else mask_disallowed(processed, allowed)
+    if forced is None:
+        return processed
+    only = lambda: jnp.where(
+        forced[..., None] < 0,
+        processed,
+        jnp.where(jnp.arange(logits.shape[-1]) == forced[..., None], 0.0, -jnp.inf),
+    )
+    return jax.lax.cond(jnp.any(forced >= 0), only, lambda: processed)
+
+
+def forced_tokens(counts, generated, sampling: SamplingArrays) -> jax.Array:
+    """The token each row must take next [B] (or [B, T], for `generated` [B, T]: the output tokens
+    before each position), -1 for none: a reasoning budget's closing marker, due once `think_limit`
+    tokens are sampled with the thinking open and not closed (counts [B, V]: the output's tokens)."""
+    rows = jnp.arange(counts.shape[0])
+    seen = lambda token: (token >= 0) & (counts[rows, jnp.maximum(token, 0)] > 0)
+    s = sampling
+    running = (s.think_close >= 0) & ((s.think_open < 0) | seen(s.think_open)) & ~seen(s.think_close)
+    widen = lambda a: a.reshape(a.shape + (1,) * (generated.ndim - 1))
+    return jnp.where(widen(running) & (generated >= widen(s.think_limit)), widen(s.think_close), -1)
 
 
 def _each_position(function, logits: jax.Array, values: jax.Array) -> jax.Array:
@@ -424,10 +467,13 @@ def choose(
     positions,
     want_logprobs,
     processors=(),
+    generated=None,
 ):
-    """Process raw logits [B, V] (`process`) and pick one token per row (`pick`). Log-probs are of
+    """Process raw logits [B, V] (`process`; a reasoning budget's token forced where due, from the
+    output tokens so far, `generated` [B]) and pick one token per row (`pick`). Log-probs are of
     the raw distribution."""
-    knobs = (prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors)
+    forced = None if generated is None else forced_tokens(counts, generated, sampling)
+    knobs = (prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors, forced)
     return pick(logits, process(logits, *knobs), sampling, positions, want_logprobs)
 
 

@@ -75,8 +75,8 @@ class DraftTally:
 
 
 def may_draft(sampling, constrained: bool) -> bool:
-    """Whether a request's rows may draft: it did not opt out, and it has no penalty or grammar
-    (those would have to follow each draft token inside the step)."""
+    """Whether a request's rows may draft: it did not opt out, and it has no penalty, grammar or
+    reasoning budget (`constrained`; those would have to follow each draft token inside the step)."""
     return sampling.speculative is not False and not sampling.penalised and not constrained
 
 

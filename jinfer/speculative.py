@@ -21,8 +21,8 @@ Greedy and seeded outputs are therefore identical with speculation on or off, al
 crowd. K/V written for rejected positions lie past the row's position and are overwritten before
 any query can see them (attention masks keys by position).
 
-Rows with penalties or a grammar never draft (their counts / allowed set would change inside the
-step); such a row still emits t_0, as a decode step would.
+Rows with penalties, a grammar or a reasoning budget never draft (their counts / allowed set would
+change inside the step); such a row still emits t_0, as a decode step would.
 
 A verify step costs more than a decode step, the more the more columns it feeds (measured per
 draft length at warm-up: on a 2-core CPU, 1.3-1.5x a decode step for 4-8 drafts of float32
@@ -203,9 +203,9 @@ def best_length(lengths, costs, chances, kind, real, counted) -> jax.Array:
 
 def _later_positions(state: SlotState, logits: jax.Array, want_logprobs, processing):
     """Tokens [rows, k] for positions 1..k of a verify step (state already advanced past t_0), each
-    processed and sampled as decoding would there (`sampling.process`; only rows without penalties
-    or a grammar draft, so the counts a later position would have do not matter: other rows'
-    later tokens are never taken)."""
+    processed and sampled as decoding would there (`sampling.process`; only rows without penalties,
+    a grammar or a reasoning budget draft, so the counts a later position would have do not
+    matter: other rows' later tokens are never taken)."""
     rows, k, vocab = logits.shape
     banning = (state.generated[:, None] + jnp.arange(k)[None, :]) < state.min_tokens[:, None]
     knobs = (state.prompt_mask, state.counts, state.bias, state.stop_mask, banning, None, state.sampling)

@@ -163,7 +163,14 @@ def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs, proce
 
     knobs = (state.bias, state.stop_mask, state.generated < state.min_tokens, allowed, state.sampling)
     chosen = lambda: choose(
-        logits, state.prompt_mask, state.counts, *knobs, state.positions + 1, want_logprobs, processors
+        logits,
+        state.prompt_mask,
+        state.counts,
+        *knobs,
+        state.positions + 1,
+        want_logprobs,
+        processors,
+        state.generated,
     )
     nothing = lambda: (jnp.zeros((rows,), jnp.int32), nothing_chosen(rows))
     token, out = jax.lax.cond(jnp.any(sampled), chosen, nothing)

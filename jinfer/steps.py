@@ -154,6 +154,7 @@ def _start_slots(
         position,
         want_logprobs,
         processors,
+        chunk.generated,
     )
     seq, empty = state.history.shape[1], state.tokens.shape[0]
     offsets = jnp.arange(chunk.tokens.shape[1])[None, :]

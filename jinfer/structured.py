@@ -281,6 +281,55 @@ class CompiledGrammar:
     def start(self) -> Constraint:
         return Constraint(self._matcher.deep_copy(), self.kind)
 
+    def after_thinking(self, reasoning) -> AfterThinking:
+        """The same constraint, held back while a reasoning model thinks (`jinfer.reasoning`)."""
+        return AfterThinking(self, reasoning)
+
+
+class AfterThinking:
+    """A compiled constraint for a reasoning model's answer: its thinking goes free."""
+
+    def __init__(self, answer: CompiledGrammar, reasoning):
+        self.answer, self.reasoning, self.kind = answer, reasoning, answer.kind
+
+    def start(self) -> ThinkingFirst:
+        return ThinkingFirst(self.answer.start(), self.reasoning)
+
+
+class ThinkingFirst:
+    """One request's constraint that lets its thinking be (every token allowed, from the prompt's
+    opening marker or its own first token's to the closing one), then holds the answer to the
+    grammar: a `Constraint` to the scheduler."""
+
+    def __init__(self, answer: Constraint, reasoning):
+        self.answer, self.kind = answer, answer.kind
+        self.open_id, self.close_id = reasoning.format.open_id, reasoning.format.close_id
+        self.state = "thinking" if reasoning.opened else "start"  # start: thinking may open now
+
+    def accept(self, token: int) -> bool:
+        if self.state == "start":
+            self.state = "thinking" if token == self.open_id else "answer"
+        if self.state == "thinking":
+            self.state = "answer" if token == self.close_id else "thinking"
+            return True
+        return self.answer.accept(token)
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "answer" and self.answer.complete
+
+    @property
+    def error(self) -> str:
+        return self.answer.error
+
+    def fill(self, row: np.ndarray) -> None:
+        if self.state == "thinking":
+            row[:] = ALL_ALLOWED
+            return
+        self.answer.fill(row)
+        if self.state == "start":  # the answer's first tokens, or the thinking's opening marker
+            row.view(np.uint32)[self.open_id // 32] |= np.uint32(1 << (self.open_id % 32))
+
 
 class Constraint:
     """One request's place in its grammar: fed each output token, writes the next allowed set."""

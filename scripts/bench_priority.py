@@ -7,7 +7,11 @@ Per phase: TTFT p50 / p99 of the user's requests (the first chunk carrying text)
 phase the lines the batch finished meanwhile; the ratio of the p50s and p99s is the figure (goal:
 within 1.5x).
 
-    python scripts/bench_priority.py [--requests 20] [--lines 200] [--rounds 2] [--out results]
+    python scripts/bench_priority.py [--requests 20] [--lines 200] [--rounds 2]
+        [--batch-slots default,32] [--out results]
+
+`--batch-slots`: the server's setting (the most batch lines running at once), a server per value
+in turn ("default": the server's own).
 
 Writes results/bench_priority.{json,md}.
 """
@@ -78,6 +82,45 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def measure(args, batch_slots: int | None) -> dict:
+    """One server (`--batch-slots`: `batch_slots`, None: its default): the user's TTFTs alone and
+    beside a batch, rounds alternating, and the batch lines finished meanwhile."""
+    import openai
+
+    alone, beside, finished, seconds = [], [], [], []
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as batches:
+        options = ["--served-model-name", "smollm2", "--batch-dir", batches]
+        options += [] if batch_slots is None else ["--batch-slots", str(batch_slots)]
+        with server(HERE, options, cache) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+            user_ttfts(client, 4)  # first calls of each program size
+            for round_ in range(args.rounds):
+                progress(f"batch slots {batch_slots or 'default'}, round {round_ + 1}: alone")
+                alone += user_ttfts(client, args.requests)
+                progress(f"round {round_ + 1}: beside a batch of {args.lines} lines")
+                batch = start_batch(client, args.lines)
+                before = client.batches.retrieve(batch.id).request_counts.completed
+                started = time.perf_counter()
+                beside += user_ttfts(client, args.requests)
+                after = client.batches.retrieve(batch.id)
+                assert after.status == "in_progress", "the batch finished before the user did: add lines"
+                finished.append(after.request_counts.completed - before)
+                seconds.append(time.perf_counter() - started)
+                client.batches.cancel(batch.id)
+                while client.batches.retrieve(batch.id).status != "cancelled":
+                    time.sleep(0.2)
+    result = {
+        "batch_slots": batch_slots or "default",
+        "alone": percentiles(alone),
+        "beside_batch": percentiles(beside),
+        "batch_lines_meanwhile": finished,
+        "batch_lines_per_s_meanwhile": sum(finished) / sum(seconds),
+    }
+    result["ratio_p50"] = result["beside_batch"]["p50_ms"] / result["alone"]["p50_ms"]
+    result["ratio_p99"] = result["beside_batch"]["p99_ms"] / result["alone"]["p99_ms"]
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,51 +128,20 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--lines", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch-slots", default="default", help="comma-separated; 'default': the server's")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
-    import openai
-
-    alone, beside, finished = [], [], []
-    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as batches:
-        options = ["--served-model-name", "smollm2", "--batch-dir", batches]
-        with server(HERE, options, cache) as base:
-            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
-            user_ttfts(client, 4)  # first calls of each program size
-            for round_ in range(args.rounds):
-                progress(f"round {round_ + 1}: alone")
-                alone += user_ttfts(client, args.requests)
-                progress(f"round {round_ + 1}: beside a batch of {args.lines} lines")
-                batch = start_batch(client, args.lines)
-                before = client.batches.retrieve(batch.id).request_counts.completed
-                beside += user_ttfts(client, args.requests)
-                after = client.batches.retrieve(batch.id)
-                assert after.status == "in_progress", "the batch finished before the user did: add lines"
-                finished.append(after.request_counts.completed - before)
-                client.batches.cancel(batch.id)
-                while client.batches.retrieve(batch.id).status != "cancelled":
-                    time.sleep(0.2)
-    result = {
-        "alone": percentiles(alone),
-        "beside_batch": percentiles(beside),
-        "batch_lines_meanwhile": finished,
-    }
-    result["ratio_p50"] = result["beside_batch"]["p50_ms"] / result["alone"]["p50_ms"]
-    result["ratio_p99"] = result["beside_batch"]["p99_ms"] / result["alone"]["p99_ms"]
-    rows = [
-        ["alone", f"{result['alone']['p50_ms']:.0f}", f"{result['alone']['p99_ms']:.0f}", "-"],
-        [
-            f"beside a {args.lines}-line batch",
-            f"{result['beside_batch']['p50_ms']:.0f}",
-            f"{result['beside_batch']['p99_ms']:.0f}",
-            str(sum(finished)),
-        ],
-        ["ratio", f"{result['ratio_p50']:.2f}x", f"{result['ratio_p99']:.2f}x", ""],
-    ]
-    table = markdown_table(
-        ["user's requests", "TTFT p50 ms", "TTFT p99 ms", "batch lines done meanwhile"], rows
-    )
-    write_results(args.out, "bench_priority", result, table)
-    print(table)
+    values = [None if v == "default" else int(v) for v in args.batch_slots.split(",")]
+    results = [measure(args, value) for value in values]
+    rows = []
+    for r in results:
+        ttft = lambda phase, r=r: [f"{r[phase]['p50_ms']:.0f}", f"{r[phase]['p99_ms']:.0f}"]
+        rows.append([r["batch_slots"], "alone", *ttft("alone"), "-"])
+        done = f"{sum(r['batch_lines_meanwhile'])} ({r['batch_lines_per_s_meanwhile']:.2f}/s)"
+        rows.append([r["batch_slots"], f"beside a {args.lines}-line batch", *ttft("beside_batch"), done])
+        rows.append([r["batch_slots"], "ratio", f"{r['ratio_p50']:.2f}x", f"{r['ratio_p99']:.2f}x", ""])
+    columns = ["batch slots", "user's requests", "TTFT p50 ms", "TTFT p99 ms", "batch lines done meanwhile"]
+    write_results(args.out, "bench_priority", {"runs": results}, markdown_table(columns, rows))
     return 0
 
 

@@ -8,7 +8,9 @@ spelling, `stop_sequences` the stop strings), which `parse_generation` and the r
 path check and the engine runs like any chat. The answer is written back as a Message
 (`MessagesWriter.respond`) or as Anthropic's event stream (`message_start`, content blocks with
 their deltas, `message_delta`, `message_stop`). Errors on these routes have Anthropic's shape
-(`error_body`). `thinking` is accepted and produces no thinking blocks: the model does not reason.
+(`error_body`). A reasoning model's thinking comes back as a `thinking` block before the answer
+(with an empty `signature`: nothing is signed here), and `thinking` sets its budget
+(`budget_tokens`; disabled: none at all); for a model that does not reason it changes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from jinfer.prepare import RequestError, check_messages
+from jinfer.reasoning import ReasoningStream, split_output, split_piece
 from jinfer.tools import ToolCall, ToolStream, finish_output, parse_tools, streamed_content
 
 from .protocol import APIError, Submission
@@ -43,11 +46,11 @@ TRANSLATED = (
     "tool_choice",
     "metadata",
     "output_config",
-)
-# Fields that change nothing here: thinking (see above), tiers, speeds, places and accounts there are
-# none of, and prompt-cache marks (jinfer's prefix cache finds every shared prefix by itself).
-ACCEPTED = (
     "thinking",
+)
+# Fields that change nothing here: tiers, speeds, places and accounts there are none of, and
+# prompt-cache marks (jinfer's prefix cache finds every shared prefix by itself).
+ACCEPTED = (
     "service_tier",
     "speed",
     "inference_geo",
@@ -200,9 +203,28 @@ def chat_body(body: dict[str, Any], *, counting: bool = False) -> dict[str, Any]
         chat["tools"] = _tools(body["tools"])
     return (
         chat
+        | _thinking(body.get("thinking"))
         | _output_config(body.get("output_config"))
         | _tool_choice(body.get("tool_choice") if body.get("tools") else None)
     )
+
+
+def _thinking(config: Any) -> dict[str, Any]:
+    """`thinking` as a reasoning model's budget: enabled with `budget_tokens`, disabled (none),
+    adaptive (the model's own)."""
+    if config is None:
+        return {}
+    kinds = ("enabled", "disabled", "adaptive")
+    if not isinstance(config, dict) or config.get("type") not in kinds:
+        raise _fail('\'thinking\' must be {"type": "enabled" | "disabled" | "adaptive"}', "thinking")
+    if config["type"] == "disabled":
+        return {"max_reasoning_tokens": 0}
+    budget = config.get("budget_tokens")
+    if config["type"] == "enabled" and (
+        not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+    ):
+        raise _fail("'thinking.budget_tokens' must be a non-negative integer", "thinking")
+    return {"max_reasoning_tokens": budget} if config["type"] == "enabled" else {}
 
 
 def _output_config(config: Any) -> dict[str, Any]:
@@ -297,11 +319,12 @@ class MessagesWriter:
         final = choice["final"]
         if final.finish_reason == "error":
             raise APIError(500, final.error or "generation failed")
-        text, calls, _ = finish_output(submitted.tool_use, "".join(choice["text"]), final.finish_reason)
+        thinking, text = split_output(submitted.reasoning, "".join(choice["text"]))
+        text, calls, _ = finish_output(submitted.tool_use, text, final.finish_reason)
         cut = final.finish_reason == "length"
-        content = ([{"type": "text", "text": text}] if text or not calls else []) + [
-            _tool_use_block(call, cut) for call in calls
-        ]
+        content = [_thinking_block(thinking)] if thinking else []
+        content += [{"type": "text", "text": text}] if text or not calls else []
+        content += [_tool_use_block(call, cut) for call in calls]
         usage = self._usage(final, len(submitted.prompt_ids[0]))
         return JSONResponse(self._message(req, content, _stop(final, calls), usage))
 
@@ -309,6 +332,7 @@ class MessagesWriter:
         """Anthropic's event stream of one answer."""
         blocks = _Blocks()
         tool_stream = ToolStream(submitted.tool_use) if submitted.tool_use is not None else None
+        reasoning = ReasoningStream(submitted.reasoning) if submitted.reasoning is not None else None
         usage = self._usage(None, len(submitted.prompt_ids[0]))
         try:
             yield blocks.event("message_start", message=self._message(req, [], usage=usage))
@@ -320,10 +344,11 @@ class MessagesWriter:
                     yield blocks.event("ping")
                     continue
                 for _, piece in events:
+                    thought, piece = split_piece(reasoning, piece)
                     delta, ended_with = streamed_content(tool_stream, piece)
                     if piece.finished:
                         final, calls = piece, ended_with
-                    for line in blocks.text(delta):
+                    for line in blocks.delta("thinking", thought) + blocks.delta("text", delta):
                         yield line
             if final.finish_reason == "error":
                 yield blocks.event("error", error={"type": "api_error", "message": final.error or "failed"})
@@ -340,40 +365,58 @@ class MessagesWriter:
                 self.bridge.cancel(request_id)
 
 
+def _thinking_block(thinking: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 class _Blocks:
-    """The content blocks of one streamed Message: a text block (opened by its first text), then
-    the tool_use blocks, each started, given its input JSON and stopped."""
+    """The content blocks of one streamed Message: a reasoning model's thinking block (opened by
+    its first thinking), a text block (opened by its first text), then the tool_use blocks, each
+    started, given its input JSON and stopped."""
 
     def __init__(self):
-        self.count, self.text_open = 0, False
+        self.count, self.open = 0, None  # blocks started; the kind of the one open
 
     @staticmethod
     def event(kind: str, **fields) -> str:
         data = json.dumps({"type": kind, **fields}, ensure_ascii=False)
         return f"event: {kind}\ndata: {data}\n\n"
 
-    def text(self, delta: str) -> list[str]:
-        if not delta:
+    def _start(self, kind: str) -> list[str]:
+        """Close the open block, if another, and start one of `kind` (if it is not the open one)."""
+        if self.open == kind:
+            return []
+        lines = self._stop()
+        block = _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+        lines.append(self.event("content_block_start", index=self.count, content_block=block))
+        self.open, self.count = kind, self.count + 1
+        return lines
+
+    def _stop(self) -> list[str]:
+        if self.open is None:
             return []
         lines = []
-        if not self.text_open:
-            self.text_open = True
-            block = {"type": "text", "text": ""}
-            lines.append(self.event("content_block_start", index=0, content_block=block))
-            self.count = 1
-        delta_block = {"type": "text_delta", "text": delta}
-        return [*lines, self.event("content_block_delta", index=0, delta=delta_block)]
+        if self.open == "thinking":  # nothing is signed here; the SDKs expect the delta
+            signed = {"type": "signature_delta", "signature": ""}
+            lines.append(self.event("content_block_delta", index=self.count - 1, delta=signed))
+        self.open = None
+        return [*lines, self.event("content_block_stop", index=self.count - 1)]
+
+    def delta(self, kind: str, delta: str) -> list[str]:
+        """The events of more "thinking" or "text" (its block started first, if it is not open)."""
+        if not delta:
+            return []
+        delta_block = {"type": f"{kind}_delta", kind: delta}
+        return [
+            *self._start(kind),
+            self.event("content_block_delta", index=self.count - 1, delta=delta_block),
+        ]
 
     def finish(self, calls: list[ToolCall], cut: bool) -> list[str]:
-        """Close the text block (an answer with neither text nor calls gets one, empty) and add
-        the calls. A call cut by max_tokens has no input, as in a whole Message."""
-        lines = []
-        if not self.text_open and not calls:
-            self.text_open, self.count = True, 1
-            block = {"type": "text", "text": ""}
-            lines.append(self.event("content_block_start", index=0, content_block=block))
-        if self.text_open:
-            lines.append(self.event("content_block_stop", index=0))
+        """Close the open block (an answer with neither text nor calls gets a text block, empty)
+        and add the calls. A call cut by max_tokens has no input, as in a whole Message."""
+        lines = [] if calls else self._start("text")
+        lines += self._stop()
         for call in calls:
             index, self.count = self.count, self.count + 1
             block = _tool_use_block(call, cut) | {"input": {}}

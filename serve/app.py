@@ -281,7 +281,9 @@ class JinferAPI:
         log.info(
             "%s: %d choices of %s prompt tokens", req.kind, req.choices, [len(p.prompt_ids) for p in prepared]
         )
-        return Submission(opened, [p.prompt_ids for p in prepared], seed, prepared[0].tools)
+        return Submission(
+            opened, [p.prompt_ids for p in prepared], seed, prepared[0].tools, prepared[0].reasoning
+        )
 
     # ------------------------------------------------------------------------ handlers
     async def health(self, request: Request) -> Response:

@@ -14,8 +14,8 @@ would (`JinferAPI.answer`), at `BATCH_PRIORITY`: below every interactive request
 slot from a batch line at once (`jinfer.scheduler`). At most `--batch-slots` lines (over every
 batch) are in flight: batch work never fills the waiting queue interactive requests are admitted
 through, and the dispatch a user's request arrives during, which it must wait out, carries few
-batch rows, so it is short; a line turned away for a full queue or a warming / draining server is tried again later,
-never written. `completion_window` is accepted as "24h" and not enforced.
+batch rows, so it is short; a line turned away for a full queue or a warming / draining server
+is tried again later, never written. `completion_window` is accepted as "24h" and not enforced.
 """
 
 from __future__ import annotations

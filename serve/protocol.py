@@ -13,6 +13,7 @@ import json
 from typing import Any, NamedTuple
 
 from jinfer.prepare import ChatTemplate
+from jinfer.reasoning import EFFORT_BUDGETS
 from jinfer.sampling import RequestError, SamplingParams
 
 
@@ -180,6 +181,7 @@ class Submission(NamedTuple):
     prompt_ids: list[list[int]]  # each prompt's token ids
     seed: int  # choice 0's seed (choice i's is seed + i): sent back, it reproduces the answers
     tool_use: Any = None  # a chat's tools: how to read calls in the output (jinfer.tools.ToolUse)
+    reasoning: Any = None  # a reasoning model's chat: how its output thinks (jinfer.reasoning.Reasoning)
 
 
 # SamplingParams fields a body carries under their own names, passed as they are (SamplingParams
@@ -309,7 +311,7 @@ _FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
     "chat": _COMMON_FIELDS
     | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
-    | {"reasoning_effort", "verbosity"}  # checked; no effect on a model that does not reason
+    | {"reasoning_effort", "verbosity"}  # checked; a budget for a reasoning model, else no effect
     | {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}  # vLLM's
     | {"functions", "function_call"},  # refused with a pointer to tools
 }
@@ -322,7 +324,7 @@ NEUTRAL_VALUES = {
     "no_stop_trim": False,
     "return_hidden_states": False,
     "skip_special_tokens": True,
-    "separate_reasoning": True,  # no effect without a reasoning parser, and jinfer has none
+    "separate_reasoning": True,  # a reasoning model's thinking is always apart (`jinfer.reasoning`)
     "stream_reasoning": True,
     "include_reasoning": True,
 }
@@ -373,12 +375,16 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
     session = _session_fields(body)
     _check_tool_fields(body, kind)
     _check_reasoning_fields(body)
+    sampling = _sampling(body, max_tokens, logprobs)
+    if body.get("reasoning_effort") is not None and sampling.max_reasoning_tokens is None:
+        budget = EFFORT_BUDGETS[body["reasoning_effort"]]
+        sampling = dataclasses.replace(sampling, max_reasoning_tokens=budget)
     return GenerationRequest(
         kind=kind,
         model=model,
         prompts=prompts,
         messages=body.get("messages") if kind == "chat" else None,
-        sampling=_sampling(body, max_tokens, logprobs),
+        sampling=sampling,
         n=n,
         stream=stream,
         include_usage=_bool(stream_options or {}, "include_usage"),
@@ -469,7 +475,7 @@ def _check_tool_fields(body: dict[str, Any], kind: str) -> None:
         raise APIError(400, "tools are for /v1/chat/completions", param="tools")
 
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = tuple(EFFORT_BUDGETS)
 VERBOSITIES = ("low", "medium", "high")
 
 
@@ -497,8 +503,9 @@ def _prediction(body: dict[str, Any]) -> str | None:
 
 
 def _check_reasoning_fields(body: dict[str, Any]) -> None:
-    """OpenAI's `reasoning_effort` and `verbosity`, checked (a model that does not reason, and
-    writes as it writes, does the same at every value)."""
+    """OpenAI's `reasoning_effort` (a reasoning model's budget of thinking tokens unless
+    `max_reasoning_tokens` sets one: `jinfer.reasoning.EFFORT_BUDGETS`) and `verbosity`, checked (a
+    model that does not reason, and writes as it writes, does the same at every value)."""
     for name, values in (("reasoning_effort", REASONING_EFFORTS), ("verbosity", VERBOSITIES)):
         if body.get(name) is not None and body[name] not in values:
             raise APIError(400, f"'{name}' must be one of {', '.join(values)}", param=name)

@@ -20,6 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jinfer.reasoning import ReasoningStream, split_output, split_piece
 from jinfer.tools import ToolStream, finish_output, finish_reason, tool_call_deltas
 
 from .protocol import APIError, GenerationRequest, Submission
@@ -86,16 +87,16 @@ def usage(finals: list, prompt_ids: list[list[int]], completion_tokens: int, n: 
         metrics = final.metrics if final is not None and final.metrics else {}
         prompt_tokens += metrics.get("prompt_tokens", len(ids))
         cached += metrics.get("cached_prompt_tokens", 0)
-    predicted = lambda name: sum(f.metrics.get(name, 0) for f in finals if f is not None and f.metrics)
+    summed = lambda name: sum(f.metrics.get(name, 0) for f in finals if f is not None and f.metrics)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens_details": {
-            "reasoning_tokens": 0,
-            "accepted_prediction_tokens": predicted("accepted_prediction_tokens"),
-            "rejected_prediction_tokens": predicted("rejected_prediction_tokens"),
+            "reasoning_tokens": summed("reasoning_tokens"),
+            "accepted_prediction_tokens": summed("accepted_prediction_tokens"),
+            "rejected_prediction_tokens": summed("rejected_prediction_tokens"),
         },
     }
 
@@ -140,10 +141,11 @@ class ChunkWriter:
             "system_fingerprint": fingerprint,
         }
 
-    def chunk(self, index, text=None, finish_reason=None, entries=None, calls=None) -> str:
-        """One choice's chunk: text (a chat delta's content), log-prob entries, a finish reason, or
-        tool-call deltas. A chat choice's first chunk carries the role with what it has to say, so
-        the first chunk a client sees is the first token (nothing is sent before the prompt is
+    def chunk(self, index, text=None, finish_reason=None, entries=None, calls=None, thinking=None) -> str:
+        """One choice's chunk: text (a chat delta's content), log-prob entries, a finish reason,
+        tool-call deltas, or a reasoning model's thinking (vLLM's `reasoning_content` and newer
+        `reasoning`). A chat choice's first chunk carries the role with what it has to say, so the
+        first chunk a client sees is the first token (nothing is sent before the prompt is
         prefilled but keep-alives)."""
         req = self.req
         logprobs = format_logprobs(req.kind, self.token_bytes, entries) if entries else None
@@ -153,6 +155,8 @@ class ChunkWriter:
             self.opened.add(index)
             if calls is not None:
                 delta["tool_calls"] = calls
+            elif thinking is not None:
+                delta |= {"reasoning_content": thinking, "reasoning": thinking}
             elif text is not None or "role" in delta:
                 delta["content"] = text or ""
             choice["delta"] = delta
@@ -174,16 +178,20 @@ class ChunkWriter:
 
 
 class StreamedChoice:
-    """One choice of a streamed response: the text and log-prob entries not yet sent, its tool
-    calls (parsed out of the text as it comes, when the request has tools), its final event."""
+    """One choice of a streamed response: the thinking, text and log-prob entries not yet sent
+    (a reasoning model's thinking told apart as it comes), its tool calls (parsed out of the
+    answer as it comes, when the request has tools), its final event."""
 
-    def __init__(self, tool_use):
-        self.text, self.entries = [], []
+    def __init__(self, tool_use, reasoning=None):
+        self.text, self.entries, self.thinking = [], [], []
         self.tools = ToolStream(tool_use) if tool_use else None
+        self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
         self.final = None
 
     def add(self, index: int, event, writer: ChunkWriter) -> list[str]:
         """Buffer an event; the chunks that finish the choice if it is the last."""
+        thinking, event = split_piece(self.reasoning, event)
+        self.thinking.append(thinking)
         self.text.append(event.text if self.tools is None else self.tools.add(event.text))
         self.entries.extend(event.logprobs or ())
         if not event.finished:
@@ -202,10 +210,17 @@ class StreamedChoice:
         return [*lines, writer.chunk(index, None, reason)]  # the finish: an empty delta, as OpenAI's
 
     def flush(self, index: int, writer: ChunkWriter) -> list[str]:
-        """A chunk of what is buffered, if anything is."""
-        text, entries = "".join(self.text), self.entries
-        self.text, self.entries = [], []
-        return [writer.chunk(index, text, None, entries)] if text or entries else []
+        """A chunk of what is buffered, if anything is (the thinking's first)."""
+        thinking, text, entries = "".join(self.thinking), "".join(self.text), self.entries
+        self.thinking, self.text, self.entries = [], [], []
+        lines = (
+            [writer.chunk(index, entries=entries if not text else None, thinking=thinking)]
+            if thinking
+            else []
+        )
+        if text or (entries and not thinking):
+            lines.append(writer.chunk(index, text, None, entries))
+        return lines
 
 
 @dataclasses.dataclass
@@ -295,8 +310,11 @@ class ResponseWriter:
                     entries = scored[index // req.n] + entries
                 logprobs = format_logprobs(req.kind, self.preparer.grammars.token_bytes, entries)
             if req.kind == "chat":
+                thinking, text = split_output(submitted.reasoning, text)
                 content, calls, reason = finish_output(submitted.tool_use, text, final.finish_reason)
                 message = {"role": "assistant", "content": content}
+                if thinking is not None:
+                    message |= {"reasoning_content": thinking, "reasoning": thinking}
                 if calls:  # OpenAI's: no text beside the calls is null
                     message |= {"content": content or None, "tool_calls": [call.openai() for call in calls]}
                 body_choices.append(
@@ -362,7 +380,7 @@ class ResponseWriter:
         writer = ChunkWriter(
             req, submitted.seed, req.adapter or self.model_name, self.fingerprint, token_bytes
         )
-        choices = [StreamedChoice(submitted.tool_use) for _ in range(req.choices)]
+        choices = [StreamedChoice(submitted.tool_use, submitted.reasoning) for _ in range(req.choices)]
         prompt_ids = submitted.prompt_ids
         try:
             echoes = req.echo and req.kind != "chat"  # a completion's prompt comes back first

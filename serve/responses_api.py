@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from jinfer.reasoning import ReasoningStream, split_output, split_piece
 from jinfer.tools import ToolStream, finish_output, streamed_content
 
 from .protocol import NO_EFFECT_FIELDS, APIError, Submission
@@ -108,6 +109,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "reasoning":
+            continue  # earlier thinking, sent back: a reasoning model's template leaves it out anyway
         else:
             raise APIError(400, f"{where}: unsupported input item type {str(kind)[:40]!r}", param="input")
     return messages
@@ -182,27 +185,63 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking as an output item (its text whole once completed)."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": _new_id("rs"), "status": status, "summary": [], "content": content}
+
+
 class ResponseEvents:
-    """The numbered events of one streamed Response and the output items they build: a message
-    (opened by its first text) and function calls. `message_item(text, status)` and
-    `call_item(call, status)` make the items."""
+    """The numbered events of one streamed Response and the output items they build: a reasoning
+    model's thinking (opened by its first text, closed by the answer's), a message (opened by its
+    first text) and function calls. `message_item(text, status)` and `call_item(call, status)`
+    make the items."""
 
     def __init__(self, message_item, call_item):
         self.message_item, self.call_item = message_item, call_item
         self.sequence, self.output = 0, []
         self.message, self.text = None, []
+        self.thinking, self.thought = None, []
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    def _where(self) -> dict[str, Any]:
-        return {
-            "item_id": self.message["id"],
-            "output_index": self.output.index(self.message),
-            "content_index": 0,
-        }
+    def _where(self, item: dict | None = None) -> dict[str, Any]:
+        item = self.message if item is None else item
+        return {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
+
+    def thinking_delta(self, delta: str) -> list[str]:
+        """The events of more thinking (its item opened first, if it is not yet)."""
+        if not delta:
+            return []
+        lines = []
+        if self.thinking is None:
+            self.thinking = reasoning_item("", status="in_progress")
+            self.output.append(self.thinking)
+            part = {"type": "reasoning_text", "text": ""}
+            index = len(self.output) - 1
+            lines.append(self.event("response.output_item.added", output_index=index, item=self.thinking))
+            lines.append(self.event("response.content_part.added", **self._where(self.thinking), part=part))
+        self.thought.append(delta)
+        return [
+            *lines,
+            self.event("response.reasoning_text.delta", **self._where(self.thinking), delta=delta),
+        ]
+
+    def _close_thinking(self) -> list[str]:
+        """The events that close the thinking, if it is open."""
+        if self.thinking is None or self.thinking["status"] == "completed":
+            return []
+        where, text = self._where(self.thinking), "".join(self.thought)
+        part = {"type": "reasoning_text", "text": text}
+        self.thinking.update(reasoning_item(text) | {"id": self.thinking["id"]})
+        return [
+            self.event("response.reasoning_text.done", **where, text=text),
+            self.event("response.content_part.done", **where, part=part),
+            self.event("response.output_item.done", output_index=where["output_index"], item=self.thinking),
+        ]
 
     def _open_message(self) -> list[str]:
         self.message = self.message_item("", status="in_progress")
@@ -217,14 +256,16 @@ class ResponseEvents:
         """The events of more text (the message opened first, if it is not yet)."""
         if not delta:
             return []
-        lines = self._open_message() if self.message is None else []
+        lines = self._close_thinking()
+        lines += self._open_message() if self.message is None else []
         self.text.append(delta)
         return [*lines, self.event("response.output_text.delta", **self._where(), delta=delta, logprobs=[])]
 
     def finish(self, calls: list) -> list[str]:
         """The events that close the message (opened empty if there is neither text nor a call)
         and add each function call."""
-        lines = self._open_message() if self.message is None and not calls else []
+        lines = self._close_thinking()
+        lines += self._open_message() if self.message is None and not calls else []
         if self.message is not None:
             where = self._where()
             part = {"type": "output_text", "text": "".join(self.text), "annotations": [], "logprobs": []}
@@ -260,10 +301,13 @@ class ResponsesWriter:
     def fingerprint(self) -> str | None:
         return self.context.fingerprint()
 
-    def _output_items(self, tool_use, text: str, reason: str) -> list[dict[str, Any]]:
-        """A finished choice as output items: the message (if it has text), then its calls."""
-        content, calls, _ = finish_output(tool_use, text, reason)
-        items = [self._message_item(content)] if content or not calls else []
+    def _output_items(self, submitted: Submission, text: str, reason: str) -> list[dict[str, Any]]:
+        """A finished choice as output items: a reasoning model's thinking (if it thought), the
+        message (if it has text), then its calls."""
+        thinking, text = split_output(submitted.reasoning, text)
+        content, calls, _ = finish_output(submitted.tool_use, text, reason)
+        items = [reasoning_item(thinking)] if thinking else []
+        items += [self._message_item(content)] if content or not calls else []
         return items + [self._call_item(call) for call in calls]
 
     @staticmethod
@@ -320,7 +364,7 @@ class ResponsesWriter:
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": metrics.get("cached_prompt_tokens", 0)},
                 "output_tokens": completion,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": metrics.get("reasoning_tokens", 0)},
                 "total_tokens": prompt + completion,
             }
             if final is not None
@@ -336,7 +380,7 @@ class ResponsesWriter:
     async def respond(self, request, req, body, queue, submitted: Submission) -> JSONResponse:
         (choice,) = await self.streams.collect(request, req, queue, submitted.request_ids)
         final = choice["final"]
-        output = self._output_items(submitted.tool_use, "".join(choice["text"]), final.finish_reason)
+        output = self._output_items(submitted, "".join(choice["text"]), final.finish_reason)
         status = self._status(final)
         response = self._response(req, body, submitted.seed, _new_id("resp"), now(), status, output, final)
         return JSONResponse(response)
@@ -346,6 +390,7 @@ class ResponsesWriter:
         stream = ResponseEvents(self._message_item, self._call_item)
         response_id, created = _new_id("resp"), now()
         tool_stream = ToolStream(submitted.tool_use) if submitted.tool_use is not None else None
+        thinking = ReasoningStream(submitted.reasoning) if submitted.reasoning is not None else None
         try:
             start = self._response(req, body, submitted.seed, response_id, created, "in_progress", [])
             yield stream.event("response.created", response=start)
@@ -357,6 +402,9 @@ class ResponsesWriter:
                     yield SSE_KEEPALIVE
                     continue
                 for _, piece in events:
+                    thought, piece = split_piece(thinking, piece)
+                    for line in stream.thinking_delta(thought):
+                        yield line
                     delta, ended_with = streamed_content(tool_stream, piece)
                     if piece.finished:
                         final, calls = piece, ended_with

@@ -106,7 +106,11 @@ HOSTILE = {
         b'{"prompt": "x", "add_special_tokens": "no"}',
     ),
     "GET on a POST route": ("GET", "/v1/completions", None),
-    "prediction not content": ("POST", "/v1/chat/completions", _chat("x", prediction={"type": "text"}).encode()),
+    "prediction not content": (
+        "POST",
+        "/v1/chat/completions",
+        _chat("x", prediction={"type": "text"}).encode(),
+    ),
     "prediction parts not text": (
         "POST",
         "/v1/chat/completions",
@@ -136,6 +140,17 @@ HOSTILE = {
         "POST",
         "/v1/messages",
         _message('[{"type": "tool_result", "tool_use_id": 5, "content": "x"}]'),
+    ),
+    "messages: thinking of no known type": ("POST", "/v1/messages", _message('"x"', thinking={"type": "on"})),
+    "messages: a negative thinking budget": (
+        "POST",
+        "/v1/messages",
+        _message('"x"', thinking={"type": "enabled", "budget_tokens": -1}),
+    ),
+    "negative max_reasoning_tokens": (
+        "POST",
+        "/v1/chat/completions",
+        _chat("x", max_reasoning_tokens=-1).encode(),
     ),
     "messages: tool input not an object": (
         "POST",

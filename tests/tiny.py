@@ -120,6 +120,31 @@ def train_tokenizer(directory: str) -> None:
         json.dump(config, f)
 
 
+# A reasoning model's chat template, DeepSeek-R1's way: the assistant's turn opens the thinking,
+# or (Qwen3's `enable_thinking: false`) closes an empty block so that the model answers at once.
+THINKING_CHATML = CHATML.replace(
+    "{{ '<|im_start|>assistant\n' }}",
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}",
+)
+
+
+def build_reasoning_model(directory: str):
+    """`qwen3_qknorm`'s random weights with `<think>` / `</think>` in the vocabulary (plain added
+    tokens, as Qwen3's) and THINKING_CHATML; returns the transformers model."""
+    from tokenizers import AddedToken, Tokenizer
+
+    model = build_hf_model("qwen3_qknorm", directory)
+    path = os.path.join(directory, "tokenizer.json")
+    tok = Tokenizer.from_file(path)
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tok.save(path)
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": THINKING_CHATML}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return model
+
+
 def train_sentencepiece(directory: str, extra_texts=()) -> None:
     """A SentencePiece BPE tokenizer.model with byte fallback, trained on CORPUS (+ extra_texts)."""
     import sentencepiece as spm
