@@ -209,10 +209,11 @@ class Dispatcher:
         return feeds
 
     def _set_history(self, work: PrefillWork) -> None:
-        """Before a penalised or speculative request's first chunk: its slot's prompt mask, output
-        counts, token history and predicted output, from its tokens (the prefix cache may spare it
-        computing some, a preemption makes it prefill its output again). Other requests never read
-        them, except a predicted output, which drafts would: it is cleared when its slot is taken."""
+        """Before the first chunk of a request that reads them (penalised, speculative, predicting
+        or with a thinking budget): its slot's prompt mask, output counts, token history and
+        predicted output, from its tokens (the prefix cache may spare it computing some, a
+        preemption makes it prefill its output again). Other requests never read them, except a
+        predicted output, which drafts would: it is cleared when its slot is taken."""
         request = work.request
         # A speculative request's chunks write its token history themselves unless the first
         # starts past cached positions.

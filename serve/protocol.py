@@ -299,10 +299,9 @@ def _vllm_fields(name: str, kind: str, value) -> dict[str, Any]:
 # Every body field a door reads; anything else is a 400 naming it (never silently ignored).
 _COMMON_FIELDS = {
     "model", "max_tokens", "n", "stop", "stream", "stream_options", "logit_bias", "logprobs", "user",
-    "response_format",
+    "response_format", "prediction",
     # jinfer's own
     "top_k", "regex", "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt", "priority",
-    "prediction",
     # vLLM's constraint spellings (`_vllm_constraint`)
     *_GUIDED, "structured_outputs",
     *_SAMPLING_FIELDS,
