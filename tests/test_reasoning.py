@@ -103,6 +103,31 @@ def test_budgeted_outputs_are_the_same_alone_and_in_a_crowd(llm):
     assert all(c.token_ids[s % 4] == FORMAT.close_id for s, c in enumerate(crowd))
 
 
+def test_budgeted_requests_preempted_mid_thought_resume_with_the_same_tokens(thinker, llm):
+    """A pool for two full sequences, eight budgeted generations: they are preempted (some in the
+    middle of their thinking) and resumed, each with its solo tokens and its marker where due."""
+    small = jinfer.LLM(
+        thinker, max_slots=8, max_seq_len=128, kv_cache_tokens=256, page_size=16, decode_steps=4
+    )
+    chats = [[{"role": "user", "content": f"Question number {s}?"}] for s in range(8)]
+    samplings = [
+        jinfer.SamplingParams(
+            max_tokens=90, temperature=0.8, seed=s, max_reasoning_tokens=20 + 5 * s, ignore_eos=True
+        )
+        for s in range(8)
+    ]
+    crowded = small.chat(chats, samplings)
+    assert small.engine.stats()["preemptions"] > 0
+    assert [c.token_ids for c in crowded] == [
+        llm.chat([c], [s])[0].token_ids for c, s in zip(chats, samplings, strict=True)
+    ]
+    # Sampled, the model may close its thinking before the budget by itself; never after.
+    closed = [c.token_ids.index(FORMAT.close_id) for c in crowded]
+    due = [20 + 5 * s for s in range(8)]
+    assert all(at <= budget for at, budget in zip(closed, due, strict=True)), closed
+    assert sum(at == budget for at, budget in zip(closed, due, strict=True)) >= 4, closed
+
+
 def test_an_output_that_opens_its_thinking_itself_spends_its_budget_after_the_marker(llm):
     """With the thinking opened by the model (here made to, by a bias on the marker), the budget
     counts from after its own opening token."""
