@@ -15,7 +15,8 @@ The device applies that bitmask when it samples (`jinfer.steps`); since the next
 the token just sampled, a constrained request takes one token per dispatch, and the engine reads
 its token back before it plans the next (`jinfer.engine`). A constraint that is complete ends the
 request with "stop" without waiting for the model's end-of-sequence token; one cut by max_tokens
-ends with "length", never presented as complete.
+ends with "length", never presented as complete. A reasoning model's constraint holds its answer
+only: `ThinkingFirst` allows every token until the thinking's closing marker (`jinfer.reasoning`).
 """
 
 from __future__ import annotations
