@@ -300,10 +300,8 @@ class RequestPreparer:
         stop_ids = frozenset(sampling.stop_token_ids or ()) | eos
         if len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {MAX_STOP_IDS}", "stop_token_ids")
+        reasoning = self._reasoning(messages is not None, ids, sampling)
         grammar = self.grammars.compile(sampling)
-        reasoning = None
-        if messages is not None and self.reasoning_format is not None:
-            reasoning = Reasoning.of_prompt(self.reasoning_format, ids, sampling.max_reasoning_tokens)
         if reasoning is not None and grammar is not None:  # it holds the answer, not the thinking
             grammar = grammar.after_thinking(reasoning)
         return PreparedRequest(
@@ -321,6 +319,12 @@ class RequestPreparer:
             self._prediction_ids(prediction),
             reasoning,
         )
+
+    def _reasoning(self, chat: bool, ids: list[int], sampling: SamplingParams) -> Reasoning | None:
+        """How a chat's output thinks, for a reasoning model (`jinfer.reasoning`); None otherwise."""
+        if not chat or self.reasoning_format is None:
+            return None
+        return Reasoning.of_prompt(self.reasoning_format, ids, sampling.max_reasoning_tokens)
 
     def _prediction_ids(self, prediction: str | Sequence[int] | None) -> tuple[int, ...]:
         """A predicted output's tokens: a text's as the model would write it (no special tokens
