@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jinfer.inputs import DraftPlan, Program
-from jinfer.speculative import DRAFT_SOURCES, PREDICTED_KINDS, program_lengths
+from jinfer.speculative import DRAFT_SOURCES, program_lengths
 
 RECORD_DECAY = 0.8  # weight of a request's earlier evidence in its record, per verify step adding some
 RELAX = 0.99  # weight of a request's evidence, per decode step without a draft checked
@@ -54,7 +54,7 @@ class DraftRecord:
     drafted: int = 0  # draft tokens checked
     accepted: int = 0  # ... and accepted
     verify_steps: int = 0  # steps that checked some
-    # Draft tokens from the request's predicted output (`speculative.PREDICTED_KINDS`) accepted,
+    # Draft tokens from the request's predicted output (its source's `predicted_kinds`) accepted,
     # and checked and rejected: OpenAI's accepted / rejected_prediction_tokens.
     predicted_accepted: int = 0
     predicted_rejected: int = 0
@@ -250,7 +250,7 @@ class Speculation:
         evidence[kind] = RECORD_DECAY * evidence[kind] + (accepted, rejected)
         evidence[-1] = RECORD_DECAY * evidence[-1] + (accepted, engine * (accepted + rejected))
         self.seen[kind] = ENGINE_DECAY * self.seen[kind] + (accepted, rejected)
-        predicted = self.source == "ngram" and kind in PREDICTED_KINDS
+        predicted = kind in DRAFT_SOURCES[self.source].predicted_kinds
         return dataclasses.replace(
             record,
             evidence=evidence,

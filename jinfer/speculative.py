@@ -137,8 +137,8 @@ def _model_source(params, cache, state, tables, active, k, **options):
     return drafts, real, jnp.zeros(active.shape, jnp.int32), cache
 
 
+# Set, not measured: each request's evidence replaces them after a few drafts.
 PREDICTION_PRIORS = (0.6, 0.8, 0.85, 0.9, 0.9, 0.95)
-PREDICTED_KINDS = range(LONGEST_NGRAM, 2 * LONGEST_NGRAM)  # the kinds of drafts from a prediction
 
 
 class DraftSource(NamedTuple):
@@ -149,6 +149,7 @@ class DraftSource(NamedTuple):
     draft: Callable
     priors: tuple[float, ...]  # per kind: a draft token's chance of acceptance before any is checked
     per_step: bool  # the device picks each step's draft length; else the host, per dispatch
+    predicted_kinds: range = range(0)  # the kinds drafted from a request's predicted output
 
 
 # N-gram drafts' kinds are their match lengths, 1 .. LONGEST_NGRAM: over SmolLM2's greedy edits and
@@ -161,7 +162,10 @@ class DraftSource(NamedTuple):
 # engine's chances follow them). Trained heads (EAGLE / MTP) would read the target's hidden states.
 DRAFT_SOURCES = {
     "ngram": DraftSource(
-        _ngram_source, (0.32, 0.65, 0.77, 0.85, 0.87, 0.92, *PREDICTION_PRIORS), per_step=True
+        _ngram_source,
+        (0.32, 0.65, 0.77, 0.85, 0.87, 0.92, *PREDICTION_PRIORS),
+        per_step=True,
+        predicted_kinds=range(LONGEST_NGRAM, 2 * LONGEST_NGRAM),
     ),
     "draft": DraftSource(_model_source, (0.9,), per_step=False),
 }
