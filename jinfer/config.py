@@ -182,7 +182,9 @@ class EngineConfig:
         "fit (at least one piece)",
     )
     decode_steps: int = setting(
-        4, "decode steps per decode dispatch (lax.scan); a row riding with prompt pieces takes one"
+        4,
+        "decode steps per decode dispatch; a row riding with prompt pieces takes one, and so does "
+        "background work (priority above 0) running alone",
     )
     speculative: str = setting(
         "off",

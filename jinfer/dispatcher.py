@@ -31,11 +31,21 @@ from jinfer.structured import allowed_bitmask
 
 class Pending(NamedTuple):
     """A dispatch's output not yet read: the owner of each of its rows (None: a row whose tokens
-    are not a request's to take), and for a verify dispatch (steps, drafts checked, their kinds)."""
+    are not a request's to take), for a verify dispatch (steps, drafts checked, their kinds), and
+    for a decode or verify dispatch the steps it ran (its output holds the program's
+    `decode_steps`; None: every entry is the dispatch's)."""
 
     owners: list[Request | None]
     out: StepOutput
     verified: tuple | None = None
+    steps: int | None = None
+
+    def ran(self, array: np.ndarray, program_steps: int) -> np.ndarray:
+        """`array` [entries, ...] (the program's steps, each of one or several entries) cut to the
+        entries of the steps this dispatch ran."""
+        if self.steps is None:
+            return array
+        return array[: self.steps * (array.shape[0] // program_steps)]
 
 
 def drafts_of(owners: list[Request | None]) -> list:
@@ -149,7 +159,7 @@ class Dispatcher:
         except Exception as e:
             self.recover([w.request for w in works] + [r for r in owners if r is not None], e)
             return []
-        self.counts.count_decode(program.kind, plan.decode_steps, inputs.steps[: len(owners)])
+        self.counts.count_decode(program.kind, inputs.steps[: len(owners)])
         self.counts.mixed_dispatches += 1
         return self._pieces_pending(works, ending, out, program) + self._decode_pending(owners, inputs, out)
 
@@ -174,18 +184,21 @@ class Dispatcher:
         except Exception as e:
             self.recover([r for r in owners if r is not None], e)
             return []
-        self.counts.count_decode(program.kind, steps, inputs.steps[:rows])
+        self.counts.count_decode(program.kind, inputs.steps[:rows])
         verified = (steps, out.checked, out.kinds) if verifying is not None else None
-        return self._decode_pending(owners, inputs, out, verified)
+        return self._decode_pending(owners, inputs, out, verified, steps)
 
-    def _decode_pending(self, owners: list, inputs: RowInputs, out, verified=None) -> list[Pending]:
-        """The pending record of a dispatch's decode rows (`owners`); its deferred rows are
-        sampled next iteration."""
+    def _decode_pending(
+        self, owners: list, inputs: RowInputs, out, verified=None, steps: int | None = None
+    ) -> list[Pending]:
+        """The pending record of a dispatch's decode rows (`owners`; `steps`: those it ran of a
+        decode program's, None for a mixed one's single step); its deferred rows are sampled next
+        iteration."""
         deferred = inputs.deferred[: len(owners)]
         taking = [None if d else r for r, d in zip(owners, deferred, strict=True)]
         if deferred.any():
             self.deferred = [r if d else None for r, d in zip(owners, deferred, strict=True)]
-        return [Pending(taking, out.rows, verified)]
+        return [Pending(taking, out.rows, verified, steps)]
 
     def _inputs(self, owners: list, **fields) -> RowInputs:
         """A dispatch's inputs, a row per owner (`jinfer.inputs.row_inputs`)."""

@@ -47,10 +47,10 @@ class DispatchCounts:
         self.prefill_tokens += tokens
         self.prefill_padding += size - tokens
 
-    def count_decode(self, kind: str, steps: int, row_steps) -> None:
-        """A decode dispatch of `kind` ("decode", "verify"): `steps` steps over rows that take part
-        in row_steps [rows] of them."""
-        active = int(sum(row_steps))
+    def count_decode(self, kind: str, row_steps) -> None:
+        """A decode dispatch of `kind` ("decode", "verify") over rows that take part in row_steps
+        [rows] of its steps: it runs as many as the busiest row takes."""
+        steps, active = int(max(row_steps, default=0)), int(sum(row_steps))
         self.decode_dispatches += 1
         self.decode_steps += steps
         self.decode_active_row_steps += active

@@ -28,6 +28,7 @@ from typing import Any
 
 from jinfer.config import CONTEXT_POLICIES, MAX_LOGIT_BIAS, MAX_STOP_IDS
 from jinfer.reasoning import Reasoning, reasoning_format_of
+from jinfer.request import DEFAULT_PRIORITY
 from jinfer.sampling import RequestError, SamplingParams
 from jinfer.structured import CompiledGrammar, Grammars
 from jinfer.tokenizer import Tokenizer, TokenizerError
@@ -70,7 +71,7 @@ class PreparedRequest:
     grammar: CompiledGrammar | None = None  # the sampling's constraint, compiled (`jinfer.structured`)
     tools: ToolUse | None = None  # how to read tool calls in the output (`jinfer.tools`)
     adapter: str | None = None  # the name of the adapter it runs through (`jinfer.adapter_slots`)
-    priority: int = 0  # lower runs first (`jinfer.scheduler`)
+    priority: int = DEFAULT_PRIORITY  # lower runs first (`jinfer.scheduler`)
     # The output's expected tokens (OpenAI's Predicted Outputs): speculative decoding's drafts look
     # there too, so a right guess is verified several tokens a pass; the output is the same either way.
     prediction_ids: tuple[int, ...] = ()
@@ -273,7 +274,7 @@ class RequestPreparer:
         parallel_tool_calls: bool = True,
         adapter: str | None = None,
         template: ChatTemplate = ChatTemplate(),
-        priority: int = 0,
+        priority: int = DEFAULT_PRIORITY,
         prediction: str | Sequence[int] | None = None,
     ) -> PreparedRequest:
         """Exactly one of `prompt` (text or ids) and `messages` (a chat). `cache_salt`: prompts

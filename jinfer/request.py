@@ -23,6 +23,10 @@ from jinfer.state import cut_pieces
 from jinfer.structured import Constraint
 from jinfer.tokenizer import TextStream
 
+# A request's priority when it asks for none (vLLM's convention: lower runs first). Work less
+# urgent than it is background work (`Request.background`).
+DEFAULT_PRIORITY = 0
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -78,7 +82,7 @@ class Request:
     drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)
     processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # `inputs.processor_inputs`
     adapter: int = -1  # its slot in the engine's adapter stack (`jinfer.adapter_slots`), -1: none
-    priority: int = 0  # lower runs first (`jinfer.scheduler`)
+    priority: int = DEFAULT_PRIORITY  # lower runs first (`jinfer.scheduler`)
     prediction_ids: tuple[int, ...] = ()  # the output it expects (drafts look there; `PreparedRequest`)
     reasoning: Reasoning | None = None  # a reasoning model's chat: how it thinks (`jinfer.reasoning`)
     weights_version: int = 0  # of the weights it started on (`Engine.update_weights`)
@@ -113,6 +117,12 @@ class Request:
             return 0
         close = self.reasoning.format.close_id
         return self.output_ids.index(close) + 1 if close in self.output_ids else len(self.output_ids)
+
+    @property
+    def background(self) -> bool:
+        """Whether it is less urgent than a request that asks for no priority: background work, which
+        makes way for such requests (`jinfer.scheduler`)."""
+        return self.priority > DEFAULT_PRIORITY
 
     def dispatch_tokens(self, steps: int) -> int:
         """Tokens a decode dispatch of `steps` steps makes for it (one, when constrained)."""

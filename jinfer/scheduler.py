@@ -20,7 +20,12 @@ Priorities (`Request.priority`, vLLM's: lower runs first, 0 by default): the que
 order, first come first served within one; the running request preempted for pages is the one of
 the lowest priority (the latest admitted among those); and a waiting request that finds no slot or
 too few pages, while a running one of lower priority holds them, preempts it (the lowest, latest
-admitted first). A preempted request resumes exactly, as any preemption does.
+admitted first). A preempted request resumes exactly, as any preemption does. Background work
+(less urgent than the default priority, as Batch API lines are) is kept from holding up what a
+request of the default priority arriving would wait for: its prompts take one piece a dispatch
+and never ride beside a more urgent prompt, and while it runs alone its decode dispatches run one
+step each, one in flight at a time (`background_only`). Its tokens are those it makes at any
+priority.
 
 Pages are taken and freed on the host ahead of the device: a dispatch in flight still writes into
 pages the host already freed, but the device runs dispatches in order, so whoever gets a page
@@ -169,7 +174,8 @@ class Scheduler:
         The iteration's token budget goes to the decode tokens first; what is left, in whole pieces
         (at least one, rounded up to the dispatch's piece bucket), to prompt chunks: requests
         part-way through a prompt first, then as many admissions as a slot, the pool and the budget
-        allow, each chunk as long as its prompt's rest or the pieces left.
+        allow, each chunk as long as its prompt's rest or the pieces left; background work's
+        prompts (less urgent than the default priority) one piece, in a dispatch of no other's.
         """
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
@@ -183,15 +189,12 @@ class Scheduler:
         self._grow_running()
 
         # Decode rows riding with prompt pieces take one step; prompts get what the rows leave.
-        beside_prompts = 1 if self.decode_with_prompts else self.decode_steps
+        steps = 1 if self.background_only else self.decode_steps
+        beside_prompts = 1 if self.decode_with_prompts else steps
         decoding = sum(r.dispatch_tokens(beside_prompts) for r in self._decode_owners() if r is not None)
-        pieces = self._piece_room(max(1, (self.token_budget - decoding) // self.piece_len))
-        prefills: list[PrefillWork] = []
-        for request in self._needing_prefill():
-            prefills.append(self._next_chunk(request, pieces * self.piece_len))
-            pieces -= prefills[-1].piece_count(self.piece_len)
-            if pieces <= 0:
-                break
+        prefills = self._prompt_chunks(
+            self._piece_room(max(1, (self.token_budget - decoding) // self.piece_len))
+        )
         # A request whose last chunk runs now is decoded by this iteration's decode dispatch too
         # (the device runs the prefill first; its admission gave it pages for that), unless the
         # two share one forward.
@@ -199,7 +202,33 @@ class Scheduler:
         if self.decode_with_prompts and prefills:
             prefilling = {id(w.request) for w in prefills}
             owners = [None if r is not None and id(r) in prefilling else r for r in owners]
-        return self._in_flight(Plan(prefills, owners, beside_prompts if prefills else self.decode_steps))
+        return self._in_flight(Plan(prefills, owners, beside_prompts if prefills else steps))
+
+    def _prompt_chunks(self, pieces: int) -> list[PrefillWork]:
+        """Prompt chunks filling up to `pieces` pieces: requests part-way through a prompt first, then
+        admissions. Background work's (less urgent than the default priority) take one piece a
+        dispatch, and none beside a more urgent prompt's, whose first token they would delay."""
+        prefills: list[PrefillWork] = []
+        for request in self._needing_prefill(background=False):
+            prefills.append(self._next_chunk(request, pieces * self.piece_len))
+            pieces -= prefills[-1].piece_count(self.piece_len)
+            if pieces <= 0:
+                return prefills
+        if not prefills and (request := next(self._needing_prefill(background=True), None)) is not None:
+            prefills.append(self._next_chunk(request, self.piece_len))
+        return prefills
+
+    @property
+    def background_only(self) -> bool:
+        """Whether every request running or first in line is less urgent than the default priority:
+        their decode dispatches then run one step and the engine keeps no more than one in flight,
+        so that a request of the default priority arriving meanwhile waits for at most one step of
+        their work, not two dispatches of `decode_steps` (the decode program runs the steps its
+        rows ask: one program for both). What it costs them is the host's share of the dispatches
+        they take more, no longer hidden behind the device's work."""
+        first_in_line = list(self.waiting)[:1]
+        running = [r for r in self.slots if r is not None]
+        return all(r.background for r in running + first_in_line)
 
     def _piece_room(self, pieces: int) -> int:
         """Pieces a dispatch may fill: `pieces`, up to the bucket it would be padded to anyway (a
@@ -259,13 +288,16 @@ class Scheduler:
         running = (r for r in self.slots if r is not None and r.running)
         return sum(-(-self._dispatch_positions(r) // self.kv.page_size) for r in running)
 
-    def _admit(self) -> Request | None:
-        """The first waiting request, in the lowest free slot, if the pool holds its prefill and
-        first decode steps (beside the reserve), running requests of lower priority preempted
-        until it does; None otherwise (it keeps its turn)."""
+    def _admit(self, background: bool) -> Request | None:
+        """The first waiting request if it is of background work or not as asked, in the lowest
+        free slot, if the pool holds its prefill and first decode steps (beside the reserve),
+        running requests of lower priority preempted until it does; None otherwise (it keeps its
+        turn)."""
         if not self.admitting or not self.waiting:
             return None
         request = self.waiting[0]
+        if request.background != background:
+            return None
         if request.in_flight:  # preempted with tokens in flight: resumes once they are committed
             return None
         prefill_ids = request.tokens()
@@ -298,13 +330,15 @@ class Scheduler:
         request.admitted_at = request.admitted_at or time.perf_counter()
         return request
 
-    def _needing_prefill(self):
-        """Requests with prompt left to prefill: those part-way through first, then admissions
-        (each admitted when its turn comes and the pool has room)."""
+    def _needing_prefill(self, background: bool):
+        """Requests of background work (less urgent than the default priority) or of the rest, as
+        asked, with prompt left to prefill: those part-way through first, then admissions (each
+        admitted when its turn comes and the pool has room)."""
         for request in self.slots:
-            if request is not None and request.prefilled < len(request.prefill_ids):
+            part_way = request is not None and request.prefilled < len(request.prefill_ids)
+            if part_way and request.background == background:
                 yield request
-        while (request := self._admit()) is not None:
+        while (request := self._admit(background)) is not None:
             yield request
 
     def _next_chunk(self, request: Request, max_len: int) -> PrefillWork:

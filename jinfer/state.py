@@ -137,20 +137,33 @@ class RowStep(NamedTuple):
 
 
 def scan_rows(step, cache, state: SlotState, row_steps, deferred, steps: int):
-    """`steps` steps for slots 0..rows-1 (`lax.scan`; rows = len(row_steps)): `step(cache,
-    rows_state, active, deferred) -> cache, rows_state, output`, slot i active in the first
-    row_steps[i] steps, a deferred slot deferred in the first only. Returns the cache, the whole
-    state and the outputs stacked [steps, ...]. Only the fields a step changes (`STEPPED`) are
-    carried from step to step: the settings are read where they lie."""
+    """Up to `steps` steps for slots 0..rows-1 (rows = len(row_steps)): `step(cache, rows_state,
+    active, deferred) -> cache, rows_state, output`, slot i active in the first row_steps[i]
+    steps, a deferred slot deferred in the first only. Returns the cache, the whole state and the
+    outputs stacked [steps, ...]. Only as many steps run as the busiest row asks (a loop whose
+    count is an input): one compiled program serves a dispatch of one step as well as of
+    `steps`, and the outputs of the steps not run are zeros, which no row reads. Only the fields
+    a step changes (`STEPPED`) are carried from step to step: the settings are read where they
+    lie."""
     part = rows_of(state, row_steps.shape[0])
+    fields = {name: getattr(part, name) for name in STEPPED}
 
-    def scan_step(carry, index):
-        cache, fields = carry
-        cache, stepped, out = step(cache, part.replace(**fields), row_steps > index, deferred & (index == 0))
-        return (cache, {name: getattr(stepped, name) for name in STEPPED}), out
+    def one_step(index, cache, fields):
+        active, first = row_steps > index, deferred & (index == 0)
+        cache, stepped, out = step(cache, part.replace(**fields), active, first)
+        return cache, {name: getattr(stepped, name) for name in STEPPED}, out
 
-    carry = (cache, {name: getattr(part, name) for name in STEPPED})
-    (cache, fields), outs = jax.lax.scan(scan_step, carry, jnp.arange(steps, dtype=jnp.int32))
+    shapes = jax.eval_shape(one_step, jnp.int32(0), cache, fields)[2]
+    outs = jax.tree.map(lambda s: jnp.zeros((steps, *s.shape), s.dtype), shapes)
+
+    def body(index, carry):
+        cache, fields, outs = carry
+        cache, fields, out = one_step(index, cache, fields)
+        put = lambda all_, one: jax.lax.dynamic_update_index_in_dim(all_, one, index, 0)
+        return cache, fields, jax.tree.map(put, outs, out)
+
+    run = jnp.minimum(jnp.max(row_steps), steps)
+    cache, fields, outs = jax.lax.fori_loop(0, run, body, (cache, fields, outs))
     return cache, put_rows(state, part.replace(**fields)), outs
 
 

@@ -27,10 +27,11 @@ change), its per-row inputs typed (`jinfer.inputs.RowInputs`), a prompt chunk wh
       its own dispatch would give. A request whose prompt ends in the dispatch decodes from the
       next one on (its first token is not known inside the forward).
   decode[rows, attn_len]
-      `steps` decode steps for slots 0..rows-1 at once (`lax.scan`): each step feeds every such
-      slot's last token, samples the next one per slot and keeps it on device for the following
-      step. Slot i takes part in the first inputs.steps[i] steps (0: inactive); a slot not taking
-      part computes too (shapes are fixed) but neither writes nor advances. A deferred slot (a
+      up to `steps` decode steps for slots 0..rows-1 at once (`state.scan_rows`): each step feeds
+      every such slot's last token, samples the next one per slot and keeps it on device for the
+      following step. Slot i takes part in the first inputs.steps[i] steps (0: inactive); the
+      program runs as many steps as its busiest slot takes; a slot not taking part in a step that
+      runs computes too (shapes are fixed) but neither writes nor advances. A deferred slot (a
       constrained request: one step) is fed and written but not sampled: its logits wait in the
       state for `sample`.
   verify[rows, attn_len, drafts]

@@ -5,10 +5,11 @@ in alternating rounds (a fresh batch each time, cancelled once the user is done)
 
 Per phase: TTFT p50 / p99 of the user's requests (the first chunk carrying text), and for the batch
 phase the lines the batch finished meanwhile; the ratio of the p50s and p99s is the figure (goal:
-within 1.5x).
+within 1.5x). Before the user starts, the batch runs alone for `--batch-alone-s` seconds: the
+lines it finishes a second then are its pace with nobody to make way for.
 
-    python scripts/bench_priority.py [--requests 20] [--lines 200] [--rounds 2]
-        [--batch-slots default,32] [--out results]
+    python scripts/bench_priority.py [--requests 20] [--lines 200] [--rounds 2] [--batch-alone-s 20]
+        [--batch-slots default,32] [--server-options "..."] [--out results]
 
 `--batch-slots`: the server's setting (the most batch lines running at once), a server per value
 in turn ("default": the server's own).
@@ -87,10 +88,11 @@ def measure(args, batch_slots: int | None) -> dict:
     beside a batch, rounds alternating, and the batch lines finished meanwhile."""
     import openai
 
-    alone, beside, finished, seconds = [], [], [], []
+    alone, beside, finished, seconds, batch_alone = [], [], [], [], []
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as batches:
         options = ["--served-model-name", "smollm2", "--batch-dir", batches]
         options += [] if batch_slots is None else ["--batch-slots", str(batch_slots)]
+        options += args.server_options.split()
         with server(HERE, options, cache) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
             user_ttfts(client, 4)  # first calls of each program size
@@ -100,6 +102,10 @@ def measure(args, batch_slots: int | None) -> dict:
                 progress(f"round {round_ + 1}: beside a batch of {args.lines} lines")
                 batch = start_batch(client, args.lines)
                 before = client.batches.retrieve(batch.id).request_counts.completed
+                time.sleep(args.batch_alone_s)  # the batch alone: its pace without users
+                done = client.batches.retrieve(batch.id).request_counts.completed
+                batch_alone.append((done - before) / args.batch_alone_s)
+                before = done
                 started = time.perf_counter()
                 beside += user_ttfts(client, args.requests)
                 after = client.batches.retrieve(batch.id)
@@ -115,6 +121,7 @@ def measure(args, batch_slots: int | None) -> dict:
         "beside_batch": percentiles(beside),
         "batch_lines_meanwhile": finished,
         "batch_lines_per_s_meanwhile": sum(finished) / sum(seconds),
+        "batch_lines_per_s_alone": float(np.mean(batch_alone)),
     }
     result["ratio_p50"] = result["beside_batch"]["p50_ms"] / result["alone"]["p50_ms"]
     result["ratio_p99"] = result["beside_batch"]["p99_ms"] / result["alone"]["p99_ms"]
@@ -128,7 +135,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--lines", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch-alone-s", type=float, default=20.0, help="seconds the batch runs alone")
     parser.add_argument("--batch-slots", default="default", help="comma-separated; 'default': the server's")
+    parser.add_argument("--server-options", default="", help="more `jinfer serve` options, space-separated")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     values = [None if v == "default" else int(v) for v in args.batch_slots.split(",")]
@@ -140,6 +149,8 @@ def main() -> int:
         done = f"{sum(r['batch_lines_meanwhile'])} ({r['batch_lines_per_s_meanwhile']:.2f}/s)"
         rows.append([r["batch_slots"], f"beside a {args.lines}-line batch", *ttft("beside_batch"), done])
         rows.append([r["batch_slots"], "ratio", f"{r['ratio_p50']:.2f}x", f"{r['ratio_p99']:.2f}x", ""])
+        alone = f"({r['batch_lines_per_s_alone']:.2f}/s)"
+        rows.append([r["batch_slots"], "none: the batch alone", "-", "-", alone])
     columns = ["batch slots", "user's requests", "TTFT p50 ms", "TTFT p99 ms", "batch lines done meanwhile"]
     write_results(args.out, "bench_priority", {"runs": results}, markdown_table(columns, rows))
     return 0

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from jinfer.prepare import ChatTemplate
 from jinfer.reasoning import EFFORT_BUDGETS
+from jinfer.request import DEFAULT_PRIORITY
 from jinfer.sampling import RequestError, SamplingParams
 
 
@@ -164,7 +165,7 @@ class GenerationRequest:
     score_only: bool = False  # completions: echo with max_tokens 0, the prompt scored, nothing generated
     adapter: str | None = None  # the loaded adapter its `model` names (the server resolves it), or None
     template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # chat: how it renders
-    priority: int = 0  # lower runs first (vLLM's; checked where it is prepared)
+    priority: int = DEFAULT_PRIORITY  # lower runs first (vLLM's; checked where it is prepared)
     prediction: str | None = None  # OpenAI's Predicted Outputs: the text the output is expected to be
 
     @property
@@ -394,7 +395,7 @@ def parse_generation(body: dict[str, Any], kind: str, max_n: int) -> GenerationR
         tool_choice=body.get("tool_choice"),
         parallel_tool_calls=body.get("parallel_tool_calls", True),
         template=_chat_template(body) if kind == "chat" else ChatTemplate(),
-        priority=0 if body.get("priority") is None else body["priority"],
+        priority=DEFAULT_PRIORITY if body.get("priority") is None else body["priority"],
         prediction=_prediction(body),
         **session,
     )

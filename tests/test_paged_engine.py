@@ -155,6 +155,22 @@ def test_constrained_requests_are_preempted_and_resume_with_the_same_tokens(mode
     assert llm.engine.stats()["preemptions"] > 0
 
 
+def test_background_work_alone_decodes_a_step_a_dispatch_and_gets_its_solo_tokens(model, uncached):
+    """Requests less urgent than the default priority, alone: prompts one piece a dispatch, decode
+    dispatches of one step (the decode program runs only the steps its rows ask), one in flight at
+    a time; greedy, seeded and penalised tokens the same as alone at the default priority."""
+    llm = jinfer.LLM(model, max_slots=4, max_seq_len=256, max_num_batched_tokens=256, decode_steps=4)
+    prompts = [_prompt(500 + i, 70 + 5 * i) for i in range(3)]  # two pieces each
+    items = [
+        llm.preparer.prepare(p, sampling=s, priority=2**30) for p, s in zip(prompts, SAMPLINGS, strict=True)
+    ]
+    results = dict(llm.iter_completions(items))
+    assert [results[i].token_ids for i in range(3)] == uncached(prompts, SAMPLINGS)
+    counts = llm.engine.dispatch_counts
+    assert counts.prefill_dispatches >= 6 and counts.prefill_tokens == sum(map(len, prompts))
+    assert counts.decode_dispatches > 0 and counts.decode_steps == counts.decode_dispatches
+
+
 def test_a_request_of_higher_priority_preempts_and_every_request_gets_its_solo_tokens(model, uncached):
     """Two slots held by low-priority generations; an urgent request arrives and takes one at once
     (the latest admitted of the lowest priority is preempted); all three get their solo tokens."""

@@ -258,6 +258,7 @@ class FakeDevice:
 
     def __init__(self, scheduler):
         self.s, self.produced, self.pending = scheduler, {}, []
+        self.plans = []  # every plan run, in order
 
     @staticmethod
     def token(request, index):
@@ -265,12 +266,13 @@ class FakeDevice:
 
     def step(self):
         plan = self.s.plan()
+        self.plans.append(plan)
         results = []
         for work in plan.prefills:
             if work.last:
                 results.append(([work.request], self._first(work.request)))
         if plan.decodes:
-            steps = self.s.decode_steps
+            steps = plan.decode_steps
             rows = []
             for r in plan.decode_owners:
                 rows.append(
@@ -416,3 +418,34 @@ def test_out_of_pages_the_lowest_priority_is_preempted_before_the_latest_admitte
     assert first.preemptions > 0 and not any(r.preemptions for r in others)
     for request in (first, *others):
         assert request.output_ids == [FakeDevice.token(request, i) for i in range(20)]
+
+
+def test_work_below_the_default_priority_runs_in_short_dispatches_until_a_default_request_comes(tokenizer):
+    """Background work alone: one decode step and one prompt piece a dispatch, so a request of the
+    default priority arriving waits for little of it; beside such a request, dispatches are whole
+    again. Every request's tokens are those it makes alone."""
+    s = Scheduler(tokenizer, max_slots=3, max_queue=8, token_budget=512, decode_steps=4)
+    background = [_prioritized(tokenizer, f"bg{i}", 2**30, 100 + 20 * i, max_tokens=40) for i in range(2)]
+    for request in background:
+        request.prompt_ids = request.prompt_ids * 6  # 36 tokens: three pieces of 16
+        s.submit(request)
+    device = FakeDevice(s)
+    for _ in range(4):
+        device.step()
+    chunks = lambda plan: [(w.request.request_id, len(w.tokens)) for w in plan.prefills]
+    assert [chunks(p) for p in device.plans] == [[("bg0", 16)], [("bg0", 16)], [("bg0", 4)], [("bg1", 16)]]
+    assert [p.decode_steps for p in device.plans[3:]] == [1]  # bg0 decodes a step at a time
+    urgent = _prioritized(tokenizer, "urgent", 0, 300, max_tokens=40)
+    urgent.prompt_ids = urgent.prompt_ids * 6
+    s.submit(urgent)
+    device.step()  # its whole prompt alone (bg1's rest waits), and whole decode dispatches beside it
+    assert chunks(device.plans[-1]) == [("urgent", 36)] and device.plans[-1].decode_steps == 4
+    device.step()
+    assert chunks(device.plans[-1]) == [("bg1", 16)] and device.plans[-1].decode_steps == 4
+    while not urgent.finished:
+        device.step()
+    device.step()
+    assert device.plans[-1].decode_steps == 1  # background alone again
+    device.run()
+    for request in (*background, urgent):
+        assert request.output_ids == [FakeDevice.token(request, i) for i in range(40)]
