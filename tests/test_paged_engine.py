@@ -160,11 +160,20 @@ def test_background_work_alone_decodes_a_step_a_dispatch_and_gets_its_solo_token
     dispatches of one step (the decode program runs only the steps its rows ask), one in flight at
     a time; greedy, seeded and penalised tokens the same as alone at the default priority."""
     llm = jinfer.LLM(model, max_slots=4, max_seq_len=256, max_num_batched_tokens=256, decode_steps=4)
+    engine, plan = llm.engine, llm.engine.scheduler.plan
+    in_flight_at_plan = []  # what the device still had to deliver when each plan was made
+
+    def counting_plan():
+        in_flight_at_plan.append(len(engine._pending))
+        return plan()
+
+    engine.scheduler.plan = counting_plan
     prompts = [_prompt(500 + i, 70 + 5 * i) for i in range(3)]  # two pieces each
     items = [
         llm.preparer.prepare(p, sampling=s, priority=2**30) for p, s in zip(prompts, SAMPLINGS, strict=True)
     ]
     results = dict(llm.iter_completions(items))
+    assert len(in_flight_at_plan) > 10 and not any(in_flight_at_plan)
     assert [results[i].token_ids for i in range(3)] == uncached(prompts, SAMPLINGS)
     counts = llm.engine.dispatch_counts
     assert counts.prefill_dispatches >= 6 and counts.prefill_tokens == sum(map(len, prompts))
