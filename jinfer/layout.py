@@ -274,6 +274,26 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _pool_too_large(
+    config: EngineConfig, pages: int, per_token: int, allowed: float, max_seq_len: int, packed: bool
+) -> ValueError:
+    """The error for a pool of `pages` that does not fit in `allowed` bytes: what would fit, and
+    what turning the packed weights off (when they run) would free."""
+    page = config.page_size
+    fit = max(int(allowed // (per_token * page)) - 1, 0) * page
+    would = (
+        f"kv_cache_tokens={fit} would fit ({fit // max_seq_len} sequences of max_seq_len={max_seq_len})"
+        if fit >= max_seq_len
+        else f"kv_cache_tokens={fit} with max_seq_len={fit} would fit"
+    )
+    freed = "; packed_weights=false would free the packed copy of the weights" if packed else ""
+    return ValueError(
+        f"the KV page pool for kv_cache_tokens={(pages - 1) * page} needs {_size(pages * page * per_token)} "
+        f"but only {_size(allowed)} is available ({config.memory_fraction * 100:g}% of free memory"
+        f"{', less the packed weights' * packed}); {would}{freed}"
+    )
+
+
 def resolve_layout(
     config: EngineConfig,
     model: ModelConfig,
@@ -303,18 +323,7 @@ def resolve_layout(
         allowed -= weight_bytes
     pages = _pool_pages(config, max_seq_len, allowed, per_token)
     if per_token and pool_bytes(pages) > allowed:
-        fit = max(int(allowed // (per_token * page)) - 1, 0) * page
-        would = (
-            f"kv_cache_tokens={fit} would fit ({fit // max_seq_len} sequences of max_seq_len={max_seq_len})"
-            if fit >= max_seq_len
-            else f"kv_cache_tokens={fit} with max_seq_len={fit} would fit"
-        )
-        packed = "; packed_weights=false would free the packed copy of the weights" if runs else ""
-        raise ValueError(
-            f"the KV page pool for kv_cache_tokens={(pages - 1) * page} needs {_size(pool_bytes(pages))} "
-            f"but only {_size(allowed)} is available ({config.memory_fraction * 100:g}% of free memory"
-            f"{', less the packed weights' * runs}); {would}{packed}"
-        )
+        raise _pool_too_large(config, pages, per_token, allowed, max_seq_len, runs)
     max_seq_len = min(max_seq_len, (pages - 1) * page)
     max_pages = -(-max_seq_len // page)
     return Layout(

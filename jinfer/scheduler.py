@@ -226,9 +226,9 @@ class Scheduler:
         their work, not two dispatches of `decode_steps` (the decode program runs the steps its
         rows ask: one program for both). What it costs them is the host's share of the dispatches
         they take more, no longer hidden behind the device's work."""
-        first_in_line = list(self.waiting)[:1]
-        running = [r for r in self.slots if r is not None]
-        return all(r.background for r in running + first_in_line)
+        if self.waiting and not self.waiting[0].background:
+            return False
+        return all(r is None or r.background for r in self.slots)
 
     def _piece_room(self, pieces: int) -> int:
         """Pieces a dispatch may fill: `pieces`, up to the bucket it would be padded to anyway (a

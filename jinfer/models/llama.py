@@ -107,6 +107,27 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = 0, divide:
     return weight.reshape(shape) * xf.astype(x.dtype)
 
 
+def _rotated_groups(q, k, v, cos, sin, groups: Sequence[TokenGroup]) -> list[tuple]:
+    """Heads-major columns (q [K, G, h, N], k and v [K, h, N]) to each group's attention inputs
+    (q [B, K, G, T, H], k and v [B, K, T, H]): small transposes of this step's tokens, rotated
+    there (`apply_rope`: the head dim minor). cos, sin: [N, H]."""
+    kv_heads, groups_per_kv, h = q.shape[0], q.shape[1], q.shape[2]
+    per_group, start = [], 0
+    for group in groups:
+        b, t = group.tokens.shape
+        cols = slice(start, start + b * t)
+        start += b * t
+        # Queries and keys rotated as one array: the keys' rotation then lands in the loop the
+        # queries need anyway, never fused into the cache write (XLA:CPU made scalar code there
+        # for a one-token step: other bits than a longer step's vector code).
+        gqk = jnp.concatenate([q[..., cols], k[..., cols][:, None]], axis=1)  # [K, G + 1, h, b * t]
+        gqk = gqk.reshape(kv_heads, groups_per_kv + 1, h, b, t).transpose(3, 0, 1, 4, 2)
+        gqk = apply_rope(gqk, *(c[cols].reshape(b, 1, 1, t, h) for c in (cos, sin)))
+        v_group = v[..., cols].reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1)
+        per_group.append((gqk[:, :, :groups_per_kv], gqk[:, :, groups_per_kv], v_group))
+    return per_group
+
+
 def _attention_block(
     p: LayerParams,
     x: jax.Array,
@@ -130,28 +151,7 @@ def _attention_block(
     if cfg.qk_norm:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, axis=-2, divide=True)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, axis=-2, divide=True)
-    kv_heads, h = k.shape[0], k.shape[1]
-
-    # Heads-major columns to attention's [B, K, (G,) T, H]: small transposes of this step's tokens,
-    # rotated there (`apply_rope`: the head dim minor). cos, sin: [N, H].
-    per_group, start = [], 0
-    for group in groups:
-        b, t = group.tokens.shape
-        cols = slice(start, start + b * t)
-        start += b * t
-        # Queries and keys rotated as one array: the keys' rotation then lands in the loop the
-        # queries need anyway, never fused into the cache write (XLA:CPU made scalar code there
-        # for a one-token step: other bits than a longer step's vector code).
-        gqk = jnp.concatenate([q[..., cols], k[..., cols][:, None]], axis=1)  # [K, G + 1, h, b * t]
-        gqk = gqk.reshape(kv_heads, groups_per_kv + 1, h, b, t).transpose(3, 0, 1, 4, 2)
-        gqk = apply_rope(gqk, *(c[cols].reshape(b, 1, 1, t, h) for c in (cos, sin)))
-        per_group.append(
-            (
-                gqk[:, :, :groups_per_kv],
-                gqk[:, :, groups_per_kv],
-                v[..., cols].reshape(kv_heads, h, b, t).transpose(2, 0, 3, 1),
-            )
-        )
+    per_group = _rotated_groups(q, k, v, cos, sin, groups)
     if cache_kv is not None:
         # Every group writes before any group reads (a slot being prefilled is an inactive row of
         # the decode group: it writes nothing).
