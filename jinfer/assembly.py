@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 
@@ -29,6 +29,7 @@ from jinfer.models import quantized
 from jinfer.models.params import pack_weights
 from jinfer.paging import KVPages
 from jinfer.prepare import RequestPreparer
+from jinfer.processors import registered
 from jinfer.scheduler import Scheduler
 from jinfer.sharding import DTYPES, make_mesh
 from jinfer.speculation import Speculation
@@ -56,10 +57,12 @@ class EngineParts:
 
 
 def assemble(
-    loaded: LoadedModel, config: EngineConfig, processors: Sequence[RowProcessor] = ()
+    loaded: LoadedModel,
+    config: EngineConfig,
+    processors: Mapping[str, RowProcessor] | Sequence[RowProcessor] = (),
 ) -> EngineParts:
     """The parts of an engine serving `loaded` as `config` asks (see the module docstring), its
-    sampling steps applying `processors`."""
+    sampling steps applying `processors` (by name; each checked: `jinfer.processors.registered`)."""
     mesh, dtype = make_mesh(config.mesh_data, config.mesh_model), DTYPES[config.dtype]
     padded_cfg, params = engine_weights(loaded, config, mesh, dtype)
     draft_cfg, draft_params = draft_weights(config, loaded, mesh, dtype)
@@ -80,7 +83,9 @@ def assemble(
     adapters = _adapter_slots(config, loaded, padded_cfg, layout.packed_weights, mesh, dtype)
     carried = Weights(params, draft_params, adapters.stack())
     shardings = jax.tree.map(lambda a: a.sharding, carried)
-    steps = build_steps(padded_cfg, layout, mesh, shardings, loaded.config.vocab_size, draft_cfg, processors)
+    vocab = loaded.config.vocab_size
+    processors = registered(processors, vocab=vocab, seq=layout.max_seq_len)
+    steps = build_steps(padded_cfg, layout, mesh, shardings, vocab, draft_cfg, processors)
     kv = KVPages(
         layout.num_pages, layout.page_size, layout.max_slots, layout.max_pages, layout.prefix_caching
     )
@@ -103,6 +108,7 @@ def assemble(
             eos_token_ids=loaded.eos_token_ids,
             sampling_defaults=loaded.generation_defaults,
             context_policy=layout.context_policy,
+            processors=processors,
         ),
         speculation=Speculation(layout, config.speculative_policy) if layout.verify_variants else None,
         cache_bytes=layout.num_pages * layout.page_size * per_token,

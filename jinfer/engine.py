@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from jinfer.cluster import current_cluster
 from jinfer.compile_cache import tally
 from jinfer.config import EngineConfig
 from jinfer.dispatcher import Dispatcher, Pending, drafts_of
-from jinfer.inputs import RowProcessor, processor_inputs
+from jinfer.inputs import RowProcessor
 from jinfer.loading import LoadedModel
 from jinfer.metrics import DispatchCounts
 from jinfer.paging import SINK_PAGE, SequencePages
@@ -61,7 +61,10 @@ class Engine:
     """Continuous batching over `max_slots` fixed slots of one preallocated KV cache."""
 
     def __init__(
-        self, loaded: LoadedModel, config: EngineConfig | None = None, processors: Sequence[RowProcessor] = ()
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        processors: Mapping[str, RowProcessor] | Sequence[RowProcessor] = (),
     ):
         """`processors`: logits processors every sampling step applies, each with its input per
         row (`jinfer.inputs.RowProcessor`)."""
@@ -164,8 +167,7 @@ class Engine:
         *,
         request_id: str | None = None,
     ) -> Request:
-        """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check
-        but its inputs to the registered processors (a RequestError)."""
+        """A scheduler request for a prepared one (`self.preparer.prepare`): nothing left to check."""
         sampling = prepared.sampling
         reasoning = prepared.reasoning
         held = prepared.grammar is not None or (reasoning is not None and reasoning.budget is not None)
@@ -193,7 +195,7 @@ class Engine:
             kv=SequencePages(salt, drafted=drafting and self.steps.draft_model is not None),
             constraint=prepared.grammar.start() if prepared.grammar is not None else None,
             drafts=DraftRecord(drafting=drafting),
-            processor_inputs=processor_inputs(self.steps.processors, prepared),
+            processor_inputs=prepared.processor_inputs,
             adapter=adapter,
             weights_version=self.weights_version,
             priority=prepared.priority,

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -50,18 +51,26 @@ class InputSpec(NamedTuple):
 
 
 class RowProcessor(NamedTuple):
-    """A logits processor with an input per row, registered when the engine is built: its
-    declaration (`spec`: axes "rows" then fixed sizes), where a request's value comes from
-    (`of_request`: a prepared request -> its value, e.g. from `SamplingParams.extra_args`; taken
-    and checked once, when the request is submitted; rows without a request get the neutral
-    value) and its one use (`apply`: logits [N, V], values [N, ...] -> logits [N, V], a pure JAX
-    function applied in `sampling.process` after the logit bias, in every step that samples).
-    Rows that leave it neutral must come out unchanged."""
+    """A logits processor with parameters per request, registered by name when the engine is
+    built (`jinfer.processors`): the declaration of its input (`spec`: an InputSpec, or a mapping
+    of parameter names to InputSpecs, axes "rows" then fixed sizes), how a request's parameters
+    become that input (`of_args`: the request's `SamplingParams.extra_args[name]` -> the value, or
+    a mapping of values; taken and checked when the request is prepared; a request that does not
+    name the processor gets the neutral value) and its one use (`apply`: logits [N, V], the rows'
+    `sampling.TokenHistory`, their values [N, ...] -> logits [N, V], a pure JAX function applied in
+    `sampling.process` after the logit bias, in every step that samples). A row whose values are
+    all neutral must come out unchanged; a step where no row uses it skips it."""
 
     name: str
-    spec: InputSpec
-    of_request: Callable[[Any], Any]
-    apply: Callable[[Any, Any], Any]
+    spec: Any
+    of_args: Callable[[Any], Any]
+    apply: Callable[[Any, Any, Any], Any]
+
+    def used(self, values) -> jax.Array:
+        """Whether some row's values are not neutral (a traced bool)."""
+        specs = jax.tree.leaves(self.spec, is_leaf=_is_spec)
+        pairs = zip(jax.tree.leaves(values), specs, strict=True)
+        return jnp.any(jnp.stack([jnp.any(v != s.neutral) for v, s in pairs]))
 
 
 @struct.dataclass
@@ -83,7 +92,7 @@ class RowInputs:
     want_logprobs: Any  # [] bool: some sampled row asks for log-probs
     allowed: Any  # [slots, W] int32 allowed-token bitmask by slot, or None: no row constrained
     plan: DraftPlan | None = None  # a verify dispatch's draft plan
-    processors: Any = None  # {name: [rows, ...]}: each registered RowProcessor's input
+    processors: Any = None  # {name: [rows, ...] (or {parameter: [rows, ...]})}: each RowProcessor's input
     adapter: Any = None  # [rows] int32: the row's slot in the adapter stack (`jinfer.lora`), -1: none
 
     @property
@@ -91,8 +100,8 @@ class RowInputs:
         return len(self.steps)
 
     def processing(self, processors: Sequence[RowProcessor], rows: slice = slice(None)) -> tuple:
-        """(function, the rows' values) of each registered processor, for `sampling.process`."""
-        return tuple((p.apply, self.processors[p.name][rows]) for p in processors)
+        """(processor, the rows' values) of each registered one, for `sampling.process`."""
+        return tuple((p, jax.tree.map(lambda v: v[rows], self.processors[p.name])) for p in processors)
 
 
 INPUTS = RowInputs(
@@ -146,22 +155,37 @@ def neutral_inputs(
     return jax.tree.map(make, _declared(plan, processors), is_leaf=_is_spec)
 
 
-def processor_inputs(processors: Sequence[RowProcessor], prepared) -> dict[str, np.ndarray]:
-    """Each registered processor's value for a prepared request (`RowProcessor.of_request`),
-    checked against its declaration: a RequestError naming extra_args where one does not fit, so
+def processor_inputs(processors: Sequence[RowProcessor], extra_args) -> dict[str, Any]:
+    """Each registered processor's value for a request's `extra_args` (`RowProcessor.of_args` of
+    the entry under its name; neutral without one), checked against its declaration: a
+    RequestError naming extra_args where one does not fit or names no registered processor, so
     that nothing wrong reaches a dispatch."""
+    extra_args = extra_args or {}
+    known = {p.name for p in processors}
+    if unknown := sorted(set(extra_args) - known):
+        registered = ", ".join(sorted(known)) or "none"
+        message = f"extra_args name no registered logits processor: {unknown} (registered: {registered})"
+        raise RequestError(message, "extra_args")
     out = {}
     for processor in processors:
-        spec = processor.spec
+        if processor.name not in extra_args:
+            neutral = lambda spec: _array(spec, {"rows": 1})[0]
+            out[processor.name] = jax.tree.map(neutral, processor.spec, is_leaf=_is_spec)
+            continue
         try:
-            value = np.asarray(processor.of_request(prepared), spec.dtype)
+            given = processor.of_args(extra_args[processor.name])
+            out[processor.name] = jax.tree.map(_fitted, processor.spec, given, is_leaf=_is_spec)
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise RequestError(f"extra_args for the {processor.name} processor: {e}", "extra_args") from None
-        if value.shape != spec.axes[1:]:
-            shapes = f"shape {value.shape}, not {spec.axes[1:]}"
-            raise RequestError(f"extra_args for the {processor.name} processor give {shapes}", "extra_args")
-        out[processor.name] = value
     return out
+
+
+def _fitted(spec: InputSpec, given) -> np.ndarray:
+    """One row's value as its declaration says (dtype, shape after "rows"), or a ValueError."""
+    value = np.asarray(given, spec.dtype)
+    if value.shape != spec.axes[1:]:
+        raise ValueError(f"shape {value.shape}, not {spec.axes[1:]}")
+    return value
 
 
 def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -> RowInputs:
@@ -174,10 +198,12 @@ def row_inputs(owners: Sequence, processors: Sequence[RowProcessor], **fields) -
         if request is not None:
             inputs.adapter[row] = request.adapter
     for processor in processors:
-        values = inputs.processors[processor.name]
+        columns = jax.tree.leaves(inputs.processors[processor.name])  # one array per parameter
         for row, request in enumerate(owners):
             if request is not None:
-                values[row] = request.processor_inputs[processor.name]
+                values = jax.tree.leaves(request.processor_inputs[processor.name])
+                for column, value in zip(columns, values, strict=True):
+                    column[row] = value
     return inputs.replace(**fields)
 
 

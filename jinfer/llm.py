@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,12 +85,13 @@ class LLM:
     def __init__(
         self,
         model: str | os.PathLike | None = None,
-        logits_processors: Sequence[RowProcessor] = (),
+        logits_processors: Mapping[str, RowProcessor] | Sequence[RowProcessor] = (),
         **engine_options,
     ):
         """`engine_options` are EngineConfig fields (max_slots, max_seq_len, dtype, mesh_data, ...);
-        `logits_processors` are applied in every sampling step, each with its input per request
-        (`jinfer.inputs.RowProcessor`, reading `SamplingParams.extra_args`).
+        `logits_processors` (by name, or each under its own) are applied in every sampling step,
+        each with the parameters a request gives under its name in `SamplingParams.extra_args`
+        (`jinfer.processors`; checked here: one that fails when traced is a ValueError).
 
         With `coordinator`, `num_processes` and `process_id` (or JAX's environment variables) every
         process of a cluster runs the same script (`jinfer.cluster`): on process 0 this returns and

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jinfer.config import CONTEXT_POLICIES, MAX_LOGIT_BIAS, MAX_STOP_IDS
+from jinfer.inputs import RowProcessor, processor_inputs
 from jinfer.reasoning import Reasoning, reasoning_format_of
 from jinfer.request import DEFAULT_PRIORITY
 from jinfer.sampling import RequestError, SamplingParams
@@ -76,6 +77,8 @@ class PreparedRequest:
     # there too, so a right guess is verified several tokens a pass; the output is the same either way.
     prediction_ids: tuple[int, ...] = ()
     reasoning: Reasoning | None = None  # a reasoning model's chat: how its output thinks (`jinfer.reasoning`)
+    # Its input to each registered logits processor, from its extra_args (`inputs.processor_inputs`).
+    processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def with_seed(self, seed: int | None) -> PreparedRequest:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
@@ -176,8 +179,12 @@ class RequestPreparer:
         eos_token_ids: Sequence[int],
         sampling_defaults: Mapping[str, Any],
         context_policy: str,
+        processors: Sequence[RowProcessor] = (),
     ):
+        """`processors`: the engine's registered logits processors, whose parameters a request's
+        extra_args give (`jinfer.processors`)."""
         self.tokenizer = tokenizer
+        self.processors = tuple(processors)
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -286,6 +293,7 @@ class RequestPreparer:
         output is expected to be (or to be much like), for speculative decoding to draft from."""
         _check_request_fields(prompt, messages, priority, adapter, cache_salt)
         sampling = self.sampling(sampling)
+        processing = processor_inputs(self.processors, sampling.extra_args)
         if sampling.seed is None:  # decided here, for every door: reported back, it reproduces the output
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         offered, use, sampling = self._tools(messages, tools, tool_choice, parallel_tool_calls, sampling)
@@ -319,6 +327,7 @@ class RequestPreparer:
             priority,
             self._prediction_ids(prediction),
             reasoning,
+            processing,
         )
 
     def _reasoning(self, chat: bool, ids: list[int], sampling: SamplingParams) -> Reasoning | None:

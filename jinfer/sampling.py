@@ -5,7 +5,7 @@ so one compiled step serves any mix of settings. Per-request randomness comes fr
 seed folded with the token position: a row's draw never depends on its neighbours or its row.
 
     logits [B, V] -> penalties (repetition / presence / frequency) -> + logit_bias
-        -> the engine's registered processors (`jinfer.inputs.RowProcessor`), with each row's input
+        -> the engine's registered processors (`jinfer.processors`), with each row's input and tokens
         -> rows short of min_tokens: -inf for stop tokens -> constrained rows: -inf outside the allowed tokens
         -> rows whose thinking ran out of budget (`jinfer.reasoning`): only the closing marker
         -> greedy rows: argmax | sampled rows: / temperature -> top-k -> top-p -> min-p -> categorical
@@ -22,7 +22,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -406,18 +406,29 @@ class StepOutput:
 
 @jax.named_scope("sampling")
 def process(
-    logits, prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors=(), forced=None
+    logits,
+    prompt_mask,
+    counts,
+    bias,
+    stop_mask,
+    banning,
+    allowed,
+    sampling,
+    processors=(),
+    forced=None,
+    history=None,
 ) -> jax.Array:
     """The one logits-processing chain, from raw logits [B, V] (or [B, T, V]: T positions of each
     row, a verify step's) to what `sample` draws from: penalties (prompt_mask, counts [B, V]),
-    logit bias [B, V], the registered processors ((function, each row's input [B, ...]) pairs,
-    `jinfer.inputs.RowProcessor`), stop tokens (stop_mask [B, V]) banned where `banning` [B] (or
-    [B, T]: short of min_tokens), the allowed-token bitmask (allowed [B, W],
-    `jinfer.structured`; None: every row unconstrained), and last the token a row must take
+    logit bias [B, V], the registered processors ((processor, each row's input [B, ...]) pairs,
+    `jinfer.inputs.RowProcessor`; `history`: a function giving the `TokenHistory` they see, [B]
+    or [B, T] rows, built only when some row uses a processor), stop tokens (stop_mask [B, V])
+    banned where `banning` [B] (or [B, T]: short of min_tokens), the allowed-token bitmask
+    (allowed [B, W], `jinfer.structured`; None: every row unconstrained), and last the token a row must take
     (`forced` [B] or [B, T], -1: none; `forced_tokens`). Every step that samples goes through it."""
     processed = apply_penalties(logits, prompt_mask, counts, sampling) + _per_row(bias, logits)
-    for function, values in processors:
-        processed = _each_position(function, processed, values)
+    for processor, values in processors:
+        processed = _processed_by(processor, processed, values, history)
     processed = jax.lax.cond(
         jnp.any(banning),
         lambda: jnp.where(_per_row(stop_mask, logits) & banning[..., None], -jnp.inf, processed),
@@ -446,13 +457,39 @@ def forced_tokens(counts, generated, sampling: SamplingArrays) -> jax.Array:
     return jnp.where(widen(running) & (generated >= widen(s.think_limit)), widen(s.think_close), -1)
 
 
-def _each_position(function, logits: jax.Array, values: jax.Array) -> jax.Array:
-    """A processor over logits [B, V], or over each of T positions of logits [B, T, V]."""
-    if logits.ndim == 2:
-        return function(logits, values)
-    rows, positions, vocab = logits.shape
-    flat = function(logits.reshape(rows * positions, vocab), jnp.repeat(values, positions, axis=0))
-    return flat.reshape(rows, positions, vocab)
+class TokenHistory(NamedTuple):
+    """What a logits processor sees of each of its rows' tokens (`jinfer.inputs.RowProcessor`):
+    the sequence (tokens [N, L] int32: prompt then output, -1 from `length` on), its length [N]
+    (the position of the token being chosen), how many of its last tokens are output
+    (generated [N]), and the row's stop tokens (stops [N, V] bool: eos and stop_token_ids)."""
+
+    tokens: jax.Array
+    length: jax.Array
+    generated: jax.Array
+    stops: jax.Array
+
+    @classmethod
+    def of(cls, tokens, length, generated, stops) -> TokenHistory:
+        """From a token buffer whose positions past `length` may hold anything."""
+        kept = jnp.arange(tokens.shape[-1]) < length[..., None]
+        return cls(jnp.where(kept, tokens, -1), length, generated, stops)
+
+
+def _processed_by(processor, logits: jax.Array, values, history) -> jax.Array:
+    """`processor` applied to logits [B, V] (or each of T positions of [B, T, V]) when some row
+    uses it (`RowProcessor.used`); otherwise the logits as they are, at no cost."""
+
+    def run():
+        seen = history()
+        if logits.ndim == 2:
+            return processor.apply(logits, seen, values)
+        rows, positions, vocab = logits.shape
+        flat = lambda a: a.reshape(rows * positions, *a.shape[2:])
+        repeated = jax.tree.map(lambda v: jnp.repeat(v, positions, axis=0), values)
+        out = processor.apply(flat(logits), jax.tree.map(flat, seen), repeated)
+        return out.reshape(rows, positions, vocab)
+
+    return jax.lax.cond(processor.used(values), run, lambda: logits)
 
 
 def choose(
@@ -468,12 +505,13 @@ def choose(
     want_logprobs,
     processors=(),
     generated=None,
+    history=None,
 ):
     """Process raw logits [B, V] (`process`; a reasoning budget's token forced where due, from the
-    output tokens so far, `generated` [B]) and pick one token per row (`pick`). Log-probs are of
-    the raw distribution."""
+    output tokens so far, `generated` [B]; `history` what the processors see of the rows' tokens)
+    and pick one token per row (`pick`). Log-probs are of the raw distribution."""
     forced = None if generated is None else forced_tokens(counts, generated, sampling)
-    knobs = (prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors, forced)
+    knobs = (prompt_mask, counts, bias, stop_mask, banning, allowed, sampling, processors, forced, history)
     return pick(logits, process(logits, *knobs), sampling, positions, want_logprobs)
 
 

@@ -54,7 +54,7 @@ from jinfer.draft import model_drafts, run_model
 from jinfer.inputs import DispatchOutput, DraftPlan
 from jinfer.models.attention import TokenGroup
 from jinfer.models.family import family_of
-from jinfer.sampling import pick, process
+from jinfer.sampling import TokenHistory, pick, process
 from jinfer.state import RowStep, SlotState, advance_rows, sample_rows, scan_rows
 
 LONGEST_NGRAM = 6  # the longest suffix looked up; shorter ones only when it has no earlier match
@@ -205,20 +205,37 @@ def best_length(lengths, costs, chances, kind, real, counted) -> jax.Array:
     return jnp.argmax(expected / costs)
 
 
-def _later_positions(state: SlotState, logits: jax.Array, want_logprobs, processing):
+def _later_positions(state: SlotState, logits: jax.Array, want_logprobs, processing, drafts):
     """Tokens [rows, k] for positions 1..k of a verify step (state already advanced past t_0), each
     processed and sampled as decoding would there (`sampling.process`; only rows without penalties,
     a grammar or a reasoning budget draft, so the counts a later position would have do not
-    matter: other rows' later tokens are never taken)."""
+    matter: other rows' later tokens are never taken). The processors see each position's
+    history as if the drafts [rows, k] before it were taken: where they are not, its token is not."""
     rows, k, vocab = logits.shape
     banning = (state.generated[:, None] + jnp.arange(k)[None, :]) < state.min_tokens[:, None]
     knobs = (state.prompt_mask, state.counts, state.bias, state.stop_mask, banning, None, state.sampling)
-    processed = process(logits, *knobs, processing)  # [rows, k, V]
+    history = lambda: _drafted_history(state, drafts)
+    processed = process(logits, *knobs, processing, None, history)  # [rows, k, V]
     repeated = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), state.sampling)
     # Column c (1..k) samples the token at p + 1 + c; the state's position is p + 1 by now.
     positions = (state.positions[:, None] + 1 + jnp.arange(k)[None, :]).reshape(-1)
     flat = lambda a: a.reshape(rows * k, vocab)
     return pick(flat(logits), flat(processed), repeated, positions, want_logprobs)
+
+
+def _drafted_history(state: SlotState, drafts: jax.Array) -> TokenHistory:
+    """The token history [rows, k, ...] a verify step's later position j (0..k-1) is chosen after:
+    the state's (through t_0) with drafts 0..j in place from t_0's position on (draft 0 stands for
+    t_0, draft i for t_i)."""
+    k = drafts.shape[1]
+    offset = jnp.arange(state.history.shape[1])[None, :] - state.positions[:, None]  # [rows, L]
+    drafted = jnp.take_along_axis(drafts, jnp.clip(offset, 0, k - 1), axis=1)  # [rows, L]
+    placed = (offset >= 0)[:, None, :] & (offset[:, None, :] <= jnp.arange(k)[None, :, None])
+    tokens = jnp.where(placed, drafted[:, None, :], state.history[:, None, :])  # [rows, k, L]
+    steps = jnp.arange(k)[None, :]
+    widen = lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], k, *a.shape[1:]))
+    length, generated = state.positions[:, None] + 1 + steps, state.generated[:, None] + steps
+    return TokenHistory.of(tokens, length, generated, widen(state.stop_mask))
 
 
 def verify_step(
@@ -289,7 +306,7 @@ def _check_drafts(params, cache, state, tables, step: RowStep, drafts, real, *, 
     kept_state = state.replace(logits=kept)
     state, out0 = sample_rows(kept_state, first, None, sampled, step.want_logprobs, step.processing)
     if k:
-        later, outs = _later_positions(state, logits[:, 1:], step.want_logprobs, step.processing)
+        later, outs = _later_positions(state, logits[:, 1:], step.want_logprobs, step.processing, drafts)
         state, taken = _advance(state, drafts, real, later.reshape(rows, k), sampled)
         later_out = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(rows, k, *a.shape[1:]), 0, 1), outs)
         out = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, later_out)

@@ -26,7 +26,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
-from jinfer.sampling import SamplingArrays, SamplingParams, choose, nothing_chosen
+from jinfer.sampling import SamplingArrays, SamplingParams, TokenHistory, choose, nothing_chosen
 from jinfer.sharding import DATA
 
 
@@ -184,6 +184,7 @@ def sample_rows(state: SlotState, logits, allowed, sampled, want_logprobs, proce
         want_logprobs,
         processors,
         state.generated,
+        lambda: TokenHistory.of(state.history, state.positions + 1, state.generated, state.stop_mask),
     )
     nothing = lambda: (jnp.zeros((rows,), jnp.int32), nothing_chosen(rows))
     token, out = jax.lax.cond(jnp.any(sampled), chosen, nothing)

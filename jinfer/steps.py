@@ -83,7 +83,7 @@ from jinfer.kv_cache import KVCache, init_cache
 from jinfer.layout import Layout
 from jinfer.models.attention import TokenGroup
 from jinfer.models.family import family_of
-from jinfer.sampling import choose
+from jinfer.sampling import TokenHistory, choose
 from jinfer.sharding import DATA, MODEL
 from jinfer.speculative import program_lengths, verify, verify_programs
 from jinfer.state import (
@@ -143,6 +143,10 @@ def _start_slots(
     stop_rows = jnp.zeros((pieces, vocab), bool).at[every, chunk.stop_ids].set(True, mode="drop")
     counts_rows = jnp.where(chunk.generated[:, None] > 0, state.counts[slots], 0)
     position = chunk.start + chunk.length  # where each sampled token goes
+    seq, empty = state.history.shape[1], state.tokens.shape[0]
+    offsets = jnp.arange(chunk.tokens.shape[1])[None, :]
+    at = jnp.where(offsets < chunk.length[:, None], chunk.start[:, None] + offsets, seq)  # padding: dropped
+    history = state.history.at[slots[:, None], at].set(chunk.tokens, mode="drop")
     token, out = choose(
         logits,
         state.prompt_mask[slots],
@@ -156,11 +160,8 @@ def _start_slots(
         want_logprobs,
         processors,
         chunk.generated,
+        lambda: TokenHistory.of(history[slots], position, chunk.generated, stop_rows),
     )
-    seq, empty = state.history.shape[1], state.tokens.shape[0]
-    offsets = jnp.arange(chunk.tokens.shape[1])[None, :]
-    at = jnp.where(offsets < chunk.length[:, None], chunk.start[:, None] + offsets, seq)  # padding: dropped
-    history = state.history.at[slots[:, None], at].set(chunk.tokens, mode="drop")
     history = history.at[slots, jnp.where(chunk.last, position, seq)].set(token, mode="drop")
     starting = jnp.where(chunk.last, slots, empty)  # only a prompt's last piece starts its slot
     set_rows = lambda array, values: array.at[starting].set(values, mode="drop")

@@ -70,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a low-rank adapter (a PEFT or jinfer directory) under NAME, which a request's "
         "`model` picks (repeatable; max_loras grows to hold them all)",
     )
+    parser.add_argument(
+        "--logits-processor",
+        action="append",
+        default=[],
+        metavar="[NAME=]MODULE:ATTRIBUTE",
+        help="register a logits processor (a jinfer.inputs.RowProcessor, or a function returning one, "
+        "e.g. jinfer.processors:no_repeat_ngram) under NAME or its own name; a request's extra_args "
+        "select it with its parameters (repeatable; docs/research.md)",
+    )
     return parser
 
 
@@ -177,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         adapters = _adapter_paths(args.lora)
         if len(adapters) > engine_config.max_loras:
             engine_config = dataclasses.replace(engine_config, max_loras=len(adapters))
+        processors = _logits_processors(args.logits_processor)
         member, sock = _join_and_listen(server, engine_config)
-        engine, model_path = _load_engine(server, engine_config, sampling)
+        engine, model_path = _load_engine(server, engine_config, sampling, processors)
         _load_adapters(engine, adapters)
     except StartError as e:
         print(f"jinfer serve: error: {e}", file=sys.stderr)
@@ -214,8 +224,19 @@ def _join_and_listen(server: ServerConfig, engine_config: EngineConfig):
         raise StartError(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
 
 
-def _load_engine(server: ServerConfig, engine_config: EngineConfig, sampling: dict):
-    """The engine over the model the settings name, and that model's path."""
+def _logits_processors(flags: list[str]) -> list:
+    """--logits-processor flags, each found (`jinfer.processors.load`)."""
+    from jinfer.processors import load
+
+    try:
+        return [load(flag) for flag in flags]
+    except ValueError as e:
+        raise StartError(f"--logits-processor {e}") from None
+
+
+def _load_engine(server: ServerConfig, engine_config: EngineConfig, sampling: dict, processors=()):
+    """The engine over the model the settings name (its sampling steps applying the logits
+    `processors`), and that model's path."""
     from jinfer import compile_cache
     from jinfer.engine import Engine
     from jinfer.loading import default_model_path, load_model, placement_for
@@ -227,7 +248,7 @@ def _load_engine(server: ServerConfig, engine_config: EngineConfig, sampling: di
         placement = placement_for(engine_config)
         loaded = load_model(model_path, quantization=engine_config.quantization, placement=placement)
         loaded.generation_defaults.update(sampling)
-        engine = Engine(loaded, engine_config)
+        engine = Engine(loaded, engine_config, processors)
     except (ValueError, OSError) as e:
         raise StartError(e) from None
     log.info(

@@ -187,8 +187,8 @@ class Submission(NamedTuple):
 
 # SamplingParams fields a body carries under their own names, passed as they are (SamplingParams
 # checks their types and ranges). The others come from fields of other names or shapes
-# (max_tokens, top_k's -1, logit_bias's string keys, stop, logprobs, response_format) or are not
-# taken over HTTP (extra_args: the engine's registered processors are an offline feature).
+# (max_tokens, top_k's -1, logit_bias's string keys, stop, logprobs, response_format, extra_args or
+# vLLM's vllm_xargs).
 _MAPPED = {
     "max_tokens",
     "top_k",
@@ -305,6 +305,7 @@ _COMMON_FIELDS = {
     "top_k", "regex", "grammar", "context_policy", "truncate_prompt_tokens", "cache_salt", "priority",
     # vLLM's constraint spellings (`_vllm_constraint`)
     *_GUIDED, "structured_outputs",
+    "extra_args", "vllm_xargs",  # parameters of the server's logits processors (`jinfer.processors`)
     *_SAMPLING_FIELDS,
 }  # fmt: skip
 _FIELDS = {
@@ -523,6 +524,15 @@ def _chat_template(body: dict[str, Any]) -> ChatTemplate:
     return ChatTemplate(**{name: value for name, value in given.items() if value is not None})
 
 
+def _extra_args(body) -> dict[str, Any] | None:
+    """The parameters of the server's logits processors, by name: `extra_args`, or vLLM's
+    spelling `vllm_xargs` (SamplingParams checks the shape, the processors the values)."""
+    given = [name for name in ("extra_args", "vllm_xargs") if body.get(name) is not None]
+    if len(given) > 1:
+        raise APIError(400, "give extra_args or vllm_xargs, not both", param="vllm_xargs")
+    return body[given[0]] if given else None
+
+
 def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The body's sampling fields as SamplingParams (a 400 naming the field that is wrong)."""
     top_k = body.get("top_k")
@@ -534,6 +544,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
             logit_bias=_logit_bias(body),
             stop=_string_list(body, "stop"),
             logprobs=logprobs,
+            extra_args=_extra_args(body),
             **fields,
             **_constraint(body),
         )

@@ -18,15 +18,15 @@ from jinfer.cluster import decode, encode
 from jinfer.inputs import InputSpec, RowProcessor
 from jinfer.sampling import RequestError
 
-# The whole feature: its input (a token and an amount per row; neutral: nothing added), where a
-# request's value comes from, and its use on the logits.
+# The whole feature: its input (a token and an amount per row; neutral: nothing added), how a
+# request's extra_args["logit_offset"] becomes that input, and its use on the logits.
 OFFSET = RowProcessor(
     name="logit_offset",
     spec=InputSpec(("rows", 2), np.float32, 0.0),
-    of_request=lambda request: (request.sampling.extra_args or {}).get("logit_offset", (0, 0.0)),
-    apply=lambda logits, values: logits.at[jnp.arange(logits.shape[0]), values[:, 0].astype(jnp.int32)].add(
-        values[:, 1]
-    ),
+    of_args=lambda args: args,
+    apply=lambda logits, history, values: logits.at[
+        jnp.arange(logits.shape[0]), values[:, 0].astype(jnp.int32)
+    ].add(values[:, 1]),
 )
 OPTIONS = {"max_slots": 2, "max_seq_len": 128, "max_num_batched_tokens": 64, "decode_steps": 2}
 TOKEN, AMOUNT = 17, 2.5
@@ -102,7 +102,7 @@ def test_rows_that_leave_it_neutral_are_unchanged_and_a_large_offset_decides(eng
 def test_an_input_that_does_not_fit_its_declaration_is_refused_before_the_engine(engines):
     llm = engines["pieces"]
     bad = dataclasses.replace(GREEDY, extra_args={"logit_offset": (1, 2, 3)})
-    with pytest.raises(RequestError, match="logit_offset processor give shape"):
+    with pytest.raises(RequestError, match="logit_offset processor: shape"):
         llm.generate([_prompt(1, 9)], [bad])
     assert llm.engine.stats()["slots_in_use"] == 0 and not llm.engine.scheduler.has_work
     (after,) = llm.generate([_prompt(1, 9)], [GREEDY])
