@@ -293,7 +293,6 @@ class RequestPreparer:
         output is expected to be (or to be much like), for speculative decoding to draft from."""
         _check_request_fields(prompt, messages, priority, adapter, cache_salt)
         sampling = self.sampling(sampling)
-        processing = processor_inputs(self.processors, sampling.extra_args)
         if sampling.seed is None:  # decided here, for every door: reported back, it reproduces the output
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         offered, use, sampling = self._tools(messages, tools, tool_choice, parallel_tool_calls, sampling)
@@ -327,7 +326,7 @@ class RequestPreparer:
             priority,
             self._prediction_ids(prediction),
             reasoning,
-            processing,
+            processor_inputs(self.processors, sampling.extra_args),
         )
 
     def _reasoning(self, chat: bool, ids: list[int], sampling: SamplingParams) -> Reasoning | None:
